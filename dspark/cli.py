@@ -1,0 +1,182 @@
+"""``dspark`` command line. Exit codes: 0 ok, 1 failure at run time, 2 bad usage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import DsparkError, UsageError
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+
+
+def _float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="bundled model name, Hugging Face model folder or .gguf file "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="bf16 is the fast dtype on CPUs with AVX-512 bf16, fp32 the exact one")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
+    p.add_argument("--temperature", type=_float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=_float, default=1.0)
+    p.add_argument("--top-k", type=_int, default=0, help="0 or -1 = off")
+    p.add_argument("--seed", type=_int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="speculative generation from one prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    g.add_argument("--drafter", default="ngram",
+                   help="plain, ngram, cut[:N] (the target's first N layers), or a draft LM "
+                        "(bundled name, folder or .gguf sharing the target's tokenizer)")
+    g.add_argument("--num-draft", type=_int, default=None,
+                   help="tokens drafted per round (default: the drafter's block size)")
+    g.add_argument("--max-new-tokens", type=_int, default=128)
+    _add_sampling_flags(g)
+    _add_model_flags(g)
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain decoding on the same prompt and report the speed-up")
+    g.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    s = bsub.add_parser("speed", help="batch-1 tokens/s side by side: HF, ours, llama.cpp")
+    s.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
+    s.add_argument("--num-prompts", type=_positive_int, default=8)
+    s.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    s.add_argument("--systems", default=None,
+                   help="comma list (default: all available): hf-plain, hf-prompt-lookup, plain, "
+                        "ngram, llama.cpp-plain, llama.cpp-prompt-lookup")
+    s.add_argument("--num-draft", type=_int, default=None, help="n-gram drafter block size")
+    _add_model_flags(s)
+    s.set_defaults(threads=2)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--markdown", default=None, help="also write the table to this file")
+    return parser
+
+
+def _setup_torch(args) -> None:
+    import torch
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+
+
+def cmd_generate(args) -> int:
+    from .api import check_max_new_tokens, generate
+    from .drafters import load_drafter
+    from .runtime.loading import load_target
+    from .sampling import SamplingParams
+
+    if not args.prompt.strip():
+        raise UsageError("prompt is empty")
+    check_max_new_tokens(args.max_new_tokens)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed)
+    if args.num_draft is not None and args.num_draft < 0:
+        raise UsageError("num-draft must be >= 0")
+    _setup_torch(args)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
+    stream = None
+    if not args.json:
+        def stream(tokens, _tok=target.tokenizer, _buf=[]):  # noqa: B006 - print text as it comes
+            _buf.extend(tokens)
+            text = _tok.decode(_buf, skip_special_tokens=True)
+            printed = getattr(stream, "printed", 0)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                stream.printed = len(text)
+    res = generate(args.prompt, target=target, drafter=drafter, sampling=params,
+                   max_new_tokens=args.max_new_tokens, chat=args.chat, num_draft=args.num_draft,
+                   stream=stream)
+    out = res.to_dict()
+    if args.compare:
+        base = generate(args.prompt, target=target, drafter="plain", sampling=params,
+                        max_new_tokens=args.max_new_tokens, chat=args.chat)
+        out["plain_tokens_per_second"] = base.tokens_per_second
+        out["speedup"] = res.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
+        out["identical_to_plain"] = base.token_ids == res.token_ids
+    if args.json:
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        line = (f"[{res.drafter}] {res.num_tokens} tokens in {res.num_rounds} rounds, "
+                f"accept length {res.accept_length:.2f}, {res.tokens_per_second:.1f} tokens/s")
+        if args.compare:
+            line += (f"; plain decoding {out['plain_tokens_per_second']:.1f} tokens/s, "
+                     f"speed-up {out['speedup']:.2f}x"
+                     + ("" if args.temperature > 0 else
+                        f", greedy output {'identical' if out['identical_to_plain'] else 'DIFFERENT'}"))
+        print(line, file=sys.stderr if not args.compare else sys.stdout)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    _setup_torch(args)
+    if args.bench == "speed":
+        from .evaluation.speed import run_speed_bench
+        return run_speed_bench(args)
+    raise UsageError(f"unknown benchmark {args.bench!r}")
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or bad usage (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        parser.error(f"unknown command {args.command}")
+    except UsageError as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 2
+    except DsparkError as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dspark: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a failure at run time: one line, not a traceback
+        print(f"dspark: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The one drafter interface: propose a block per request, with its probabilities and confidences.
+
+Every drafter (n-gram lookup, an independent draft LM, the trained DSpark / DFlash / EAGLE-3
+drafters) implements ``propose`` over a batch of requests. The engine then asks a policy how
+many of the proposed tokens each request verifies, runs the target, and verifies with the
+``probs`` returned here: they must be exactly the distributions the tokens were drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                      # [k] long
+    probs: torch.Tensor | None = None         # [k, V] fp32 the tokens were drawn from; None = point masses
+    confidences: torch.Tensor | None = None   # [k]: P(token j survives | tokens < j survived)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def truncate(self, n: int) -> "Proposal":
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                        None if self.confidences is None else self.confidences[:n])
+
+    @staticmethod
+    def empty() -> "Proposal":
+        return Proposal(torch.empty(0, dtype=torch.long))
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees of one request."""
+
+    tokens: list[int]               # prompt + output so far; the last one (the anchor) is not yet verified
+    params: SamplingParams          # the drafter's sampling settings for this request
+    generator: torch.Generator | None
+    num_draft: int                  # how many tokens to propose this round (0 = none)
+    state: dict[str, Any] = field(default_factory=dict)  # the drafter's own per-request state
+
+
+class Drafter:
+    """Base class. ``block_size`` is the default number of drafted tokens per round (gamma)."""
+
+    name = "drafter"
+    block_size = 0
+    feature_layers: tuple[int, ...] = ()   # target layers a learned drafter conditions on
+
+    def prepare(self, max_requests: int, max_len: int) -> None:
+        """Reserve room for ``max_requests`` concurrent requests of up to ``max_len`` tokens."""
+
+    def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
+        raise NotImplementedError
+
+    def release(self, context: DraftContext) -> None:
+        """The request ended (finished or cancelled): free what it held."""
+
+
+class PlainDrafter(Drafter):
+    """No drafting: every round verifies only the anchor, i.e. plain decoding."""
+
+    name = "plain"
+
+    def propose(self, contexts):
+        return [Proposal.empty() for _ in contexts]

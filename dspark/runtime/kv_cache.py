@@ -1,0 +1,59 @@
+"""Preallocated key/value cache: one slot per request, append, roll back, free.
+
+Layout per layer: ``[slots, kv_heads, max_len, head_dim]`` so that a slot's first ``n`` entries
+are one strided view ``k[slot, :, :n]`` that attention reads without a copy. Lengths are plain
+Python ints: rolling back rejected draft tokens is one assignment, nothing is erased.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DsparkError
+
+
+class CacheFullError(DsparkError):
+    """No free slot, or a request outgrew its slot."""
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_slots: int,
+                 max_len: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError("KV cache has no free slot")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep the first ``length`` entries of ``slot`` (roll back rejected tokens)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
+        self.lengths[slot] = length
+
+    def check_room(self, slot: int, extra: int) -> None:
+        if self.lengths[slot] + extra > self.max_len:
+            raise CacheFullError(
+                f"sequence needs {self.lengths[slot] + extra} cache entries, slot holds {self.max_len}")

@@ -1,0 +1,86 @@
+"""Sampling settings and logits -> probabilities, shared by every drafter and the target.
+
+All probability arithmetic is fp32 whatever the model dtype (DeepSpec bug #31: sampling from
+bf16 probabilities while the acceptance ratio used fp32 ones biased the output). Greedy
+(temperature 0) is a one-hot distribution on the argmax, so verification needs no special
+case for correctness (it has a fast path for speed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0   # 0 = greedy
+    top_k: int = 0             # 0 or -1 = off
+    top_p: float = 1.0         # in (0, 1]; 1 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            raise UsageError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < -1:
+            raise UsageError(f"top-k must be an integer >= -1 (0 or -1 = off), got {k!r}")
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            raise UsageError(f"top-p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise UsageError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device="cpu") -> torch.Generator:
+        """The request's own random stream: a seed fixes the request's output."""
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> fp32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if params.top_k > 0 and params.top_k < vocab:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens strictly before it already reach top_p (the first token stays)
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` ([..., V] fp32) -> [...] long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def sample_from_logits(logits: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, the fp32 probabilities they were drawn from)."""
+    probs = probs_from_logits(logits, params)
+    if params.greedy:
+        return probs.argmax(-1), probs
+    return sample(probs, generator), probs

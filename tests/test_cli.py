@@ -1,0 +1,101 @@
+"""The command line: JSON output, clear errors with exit code 2 (usage) or 1 (run time), and
+nothing half-written when a model file is missing or corrupt."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dspark.cli import main
+
+
+def _run(args, env=None):
+    e = dict(os.environ, **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True,
+                       env=e, timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_generate_json(target_fp32):
+    code, out, err = _run(["generate", "--prompt", "List three primary colors.", "--chat",
+                           "--drafter", "ngram", "--max-new-tokens", "24", "--json", "--dtype", "fp32",
+                           "--compare"])
+    assert code == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    for key in ("text", "num_tokens", "num_rounds", "accept_length", "tokens_per_second", "speedup"):
+        assert key in res
+    assert 1 <= res["num_tokens"] <= 24 and res["num_rounds"] >= 1 and res["text"]
+    assert res["identical_to_plain"] is True
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["--prompt", "hi", "--max-new-tokens", "-3"], "max-new-tokens"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+    (["--prompt", "hi", "--top-p", "0"], "top-p"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top-p"),
+    (["--prompt", "hi", "--top-k", "-2"], "top-k"),
+    (["--prompt", "hi", "--drafter", "no-such-drafter"], "unknown drafter"),
+    (["--prompt", "hi", "--target", "/nonexistent/model.gguf"], "neither"),
+    (["--prompt", "hi", "--temperature", "abc"], "expected a number"),
+])
+def test_bad_usage_exits_2_with_one_line(args, needle, capsys):
+    code = main(["generate", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_bad_flag_type_exits_2():
+    assert main(["generate", "--prompt", "hi", "--max-new-tokens", "x"]) == 2
+    assert main(["generate"]) == 2
+    assert main(["no-such-command"]) == 2
+
+
+def test_corrupt_gguf_exits_1_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DSPARK_CACHE", str(cache))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    code = main(["generate", "--prompt", "hi", "--target", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert "cannot read GGUF" in err and len(err.splitlines()) == 1
+    models = cache / "models"
+    assert not models.exists() or not any(models.iterdir()), "a half-written cache copy was left"
+
+
+def test_corrupt_model_folder_exits_1(tmp_path, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10,
+                                                    "hidden_size": 8, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 2, "intermediate_size": 16}))
+    (folder / "model.safetensors").write_bytes(b"\x00" * 100)
+    code = main(["generate", "--prompt", "hi", "--target", str(folder)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "cannot load model" in err
+
+
+def test_folder_without_config_is_usage_error(tmp_path, capsys):
+    assert main(["generate", "--prompt", "hi", "--target", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_damaged_cache_copy_is_rebuilt(tmp_path, monkeypatch):
+    """Our own cached safetensors copy of a GGUF gets corrupted: it is rebuilt, not fatal."""
+    import shutil
+
+    from dspark.runtime import loading
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    gguf = loading.bundled_gguf(loading.DEFAULT_TARGET)
+    folder = loading._convert_gguf(gguf)
+    st = folder / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:1000])
+    model, tok = loading.load_hf(gguf)
+    assert model.config.num_hidden_layers == 30
+    shutil.rmtree(tmp_path)

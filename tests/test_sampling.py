@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from dspark.errors import UsageError
+from dspark.sampling import SamplingParams, probs_from_logits, sample_from_logits
+
+
+def test_temperature_top_k_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    full = probs_from_logits(logits, SamplingParams(temperature=1.0))
+    torch.testing.assert_close(full, logits.softmax(-1))
+    hot = probs_from_logits(logits, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(hot, (logits / 0.5).softmax(-1))
+    k2 = probs_from_logits(logits, SamplingParams(top_k=2))
+    assert (k2[2:] == 0).all() and abs(float(k2.sum()) - 1) < 1e-6
+    assert torch.equal(probs_from_logits(logits, SamplingParams(top_k=-1)), full)
+    # top-p keeps the smallest prefix reaching p (the first token always stays)
+    p = probs_from_logits(logits, SamplingParams(top_p=0.7))
+    kept = (p > 0).sum().item()
+    assert full[:kept - 1].sum() < 0.7 <= full[:kept].sum()
+    assert (probs_from_logits(logits, SamplingParams(top_p=1e-6)) > 0).sum() == 1
+    greedy = probs_from_logits(logits, SamplingParams(temperature=0))
+    assert greedy.tolist() == [1.0, 0, 0, 0, 0]
+
+
+def test_probabilities_are_fp32_from_bf16_logits():
+    logits = torch.randn(3, 50).to(torch.bfloat16)
+    p = probs_from_logits(logits, SamplingParams(top_p=0.9))
+    assert p.dtype == torch.float32
+    tok, probs = sample_from_logits(logits, SamplingParams(), torch.Generator().manual_seed(0))
+    assert tok.shape == (3,) and probs.dtype == torch.float32
+
+
+def test_seeded_generator_repeats():
+    logits = torch.randn(100)
+    a = [int(sample_from_logits(logits, SamplingParams(seed=5), g)[0])
+         for g in [SamplingParams(seed=5).generator()] for _ in range(20)]
+    b = [int(sample_from_logits(logits, SamplingParams(seed=5), g)[0])
+         for g in [SamplingParams(seed=5).generator()] for _ in range(20)]
+    assert a == b
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")),
+                                    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(top_k=1.5), dict(seed=-1)])
+def test_bad_settings_are_usage_errors(kwargs):
+    with pytest.raises(UsageError):
+        SamplingParams(**kwargs)
