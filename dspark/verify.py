@@ -21,8 +21,9 @@ from .sampling import SamplingParams, probs_from_logits, sample
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Temperature 0: accept while the draft equals the target's argmax."""
-    best = target_logits.argmax(-1)
+    best = target_logits.argmax(-1).cpu()
     l = draft_tokens.shape[0]
+    draft_tokens = draft_tokens.cpu()
     if l == 0:
         return 0, int(best[0])
     mismatch = (draft_tokens != best[:l]).nonzero()
@@ -50,11 +51,15 @@ def verify_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, p
                  generator: torch.Generator | None) -> tuple[int, int]:
     """``verify`` on target probabilities already processed by the sampling settings."""
     l = draft_tokens.shape[0]
+    dev = p.device
+    draft_tokens = draft_tokens.to(dev)
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(dev)
     if l:
-        rows = torch.arange(l)
+        rows = torch.arange(l, device=dev)
         p_x = p[rows, draft_tokens]
-        q_x = draft_probs.float()[rows, draft_tokens] if draft_probs is not None else torch.ones(l)
-        u = torch.rand(l, generator=generator)
+        q_x = draft_probs.float()[rows, draft_tokens] if draft_probs is not None else torch.ones(l, device=dev)
+        u = torch.rand(l, generator=generator, device=dev)
         rejected = (u * q_x >= p_x).nonzero()
         n = int(rejected[0, 0]) if rejected.numel() else l
     else:

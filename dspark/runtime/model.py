@@ -78,29 +78,38 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ b). One bf16 row goes through a matrix-vector product: decoding is bound by
-    reading the weights, and mv streams them about 1.5x faster than a 1-row GEMM on CPUs."""
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = torch.mv(w, x[0]).unsqueeze(0)
+    """x @ w.T (+ b), on the fastest CPU path for the shape.
+
+    Decoding and verification multiply a few rows by large weights: the cost is reading the
+    weights. On CPUs, bf16 one row streams them fastest as a matrix-vector product, and a few
+    rows as ``w @ x.T`` (measured 1.2-1.3x faster than a small-M GEMM ``x @ w.T`` here; see
+    README, Benchmarks). fp32 and other devices use the ordinary linear.
+    """
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        if x.shape[0] == 1:
+            y = torch.mv(w, x[0]).unsqueeze(0)
+        else:
+            y = torch.matmul(w, x.t()).t()  # a transposed view; callers that need rows copy
         return y if b is None else y + b
     return F.linear(x, w, b)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                scale: float) -> torch.Tensor:
     """q [n, H, hd] against one request's cache k, v [Hkv, S, hd] -> [n, H * hd].
 
     Grouped-query heads share their KV head without copying it: the queries of a group are
-    stacked as rows of one matrix product. Softmax in fp32, as transformers does.
+    stacked as rows of one matrix product. ``bias`` [n, S] is 0 where a query may look and -inf
+    elsewhere. Softmax in fp32, as transformers does.
     """
     n, H, hd = q.shape
     Hkv = k.shape[0]
     rep = H // Hkv
     qg = q.transpose(0, 1).reshape(Hkv, rep * n, hd)            # rows ordered (head in group, token)
-    s = torch.matmul(qg, k.transpose(1, 2)).float() * scale     # [Hkv, rep*n, S]
-    if mask is not None:
-        s = s.view(Hkv, rep, n, -1).masked_fill(~mask, float("-inf")).view(Hkv, rep * n, -1)
-    p = s.softmax(-1).to(v.dtype)
+    s = torch.matmul(qg, k.transpose(1, 2)).mul_(scale)         # [Hkv, rep*n, S]
+    if bias is not None:
+        s = s.view(Hkv, rep, n, -1).add_(bias).view(Hkv, rep * n, -1)
+    p = torch.softmax(s, -1, dtype=torch.float32).to(v.dtype)
     o = torch.matmul(p, v)                                       # [Hkv, rep*n, hd]
     return o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
 
@@ -210,6 +219,7 @@ class Decoder:
         or None (no logits, e.g. to fill a cache).
         """
         cfg = self.config
+        input_ids = input_ids.to(self.device)
         n_total = input_ids.shape[0]
         if sum(n for _, n in segments) != n_total:
             raise ValueError("segments do not cover input_ids")
@@ -236,16 +246,14 @@ class Decoder:
         feats = {}
         for li, lw in enumerate(self.layers):
             h = _rms_norm(x, lw.input_norm, eps)
-            qkv = _linear(h, lw.qkv, lw.qkv_bias)
-            q = qkv[:, :q_size].view(n_total, H, hd)
-            k = qkv[:, q_size:q_size + kv_size].view(n_total, Hkv, hd)
+            qkv = _linear(h, lw.qkv, lw.qkv_bias).contiguous()
+            qk = qkv[:, :q_size + kv_size].view(n_total, H + Hkv, hd)
             v = qkv[:, q_size + kv_size:].view(n_total, Hkv, hd)
             if lw.q_norm is not None:
-                q = _rms_norm(q, lw.q_norm, eps)
-                k = _rms_norm(k, lw.k_norm, eps)
+                qk = torch.cat([_rms_norm(qk[:, :H], lw.q_norm, eps), _rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
             cos, sin = rope_tables[lw.rope]
-            q = q * cos + q.roll(hd // 2, -1) * sin
-            k = k * cos + k.roll(hd // 2, -1) * sin
+            qk = qk * cos + qk.roll(hd // 2, -1) * sin   # RoPE on queries and keys at once
+            q, k = qk[:, :H], qk[:, H:]
             kc, vc = cache.k[li], cache.v[li]
             outs = []
             row = 0
@@ -292,7 +300,7 @@ class Decoder:
     __call__ = forward
 
     def _masks(self, segments, starts):
-        """Per segment, a function window -> attention mask (None when nothing is masked)."""
+        """Per segment, a function window -> additive attention mask (None when nothing is masked)."""
         out = []
         for (_, n), start in zip(segments, starts):
             memo = {}
@@ -308,7 +316,8 @@ class Decoder:
                         mask = kpos <= qpos
                         if window is not None:
                             mask &= kpos > qpos - window
-                        memo[window] = mask
+                        memo[window] = torch.zeros(mask.shape, dtype=self.dtype,
+                                                   device=self.device).masked_fill_(~mask, float("-inf"))
                 return memo[window]
             out.append(mask_for)
         return out

@@ -1,0 +1,236 @@
+"""The engine: requests in flight; each step draft -> schedule -> ONE target forward -> verify.
+
+Requests join and leave at any step (continuous batching). Each step:
+
+1. the policy says how many tokens to draft per decoding request; the drafter proposes them for
+   all requests in one batched call;
+2. the policy says how many of the proposed tokens each request verifies;
+3. one target forward runs over every request's tokens flattened into a ragged batch (the anchor
+   plus the verified drafts of each decoding request, and chunks of new requests' prompts), each
+   request attending only to its own cache slot;
+4. each request verifies its block (rejection sampling with its own generator), emits 1 to l+1
+   tokens, and its cache rolls back over the rejected drafts.
+
+A request holds one cache slot from admission to its end; a finished or cancelled request frees
+it at once, and requests wait in a queue while every slot is taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .drafters.base import DraftContext, Drafter, PlainDrafter, Proposal
+from .errors import UsageError
+from .metrics import GenerationStats
+from .runtime.model import Decoder
+from .sampling import SamplingParams, sample_from_logits
+from .scheduling.policies import FixedPolicy, Policy
+from .verify import verify
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset = frozenset()
+    on_tokens: Callable | None = None     # called with each list of newly emitted tokens
+    id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list = field(default_factory=list)
+    status: str = "waiting"               # waiting | running | finished | cancelled
+    finish_reason: str | None = None      # stop | length | cancelled
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    slot: int | None = None
+    prefilled: int = 0
+    generator: torch.Generator | None = None
+    ctx: DraftContext | None = None
+    t_start: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "cancelled")
+
+
+class Engine:
+    def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
+                 max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
+                 prefill_chunk: int = 2048, eos_ids=()):
+        if max_requests < 1 or max_len < 2:
+            raise UsageError("need max_requests >= 1 and max_len >= 2")
+        self.target = target
+        self.drafter = drafter or PlainDrafter()
+        self.policy = policy or FixedPolicy()
+        self.block_size = self.drafter.block_size if block_size is None else block_size
+        self.prefill_chunk = prefill_chunk
+        self.eos_ids = frozenset(eos_ids)
+        self.cache = target.new_cache(max_requests, max_len)
+        self.drafter.prepare(max_requests, max_len)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
+                    stop_ids=None, on_tokens=None) -> Request:
+        if not prompt_ids:
+            raise UsageError("prompt is empty")
+        if max_new_tokens <= 0:
+            raise UsageError(f"max-new-tokens must be > 0, got {max_new_tokens}")
+        need = len(prompt_ids) + max_new_tokens + self.block_size + 1
+        if need > self.cache.max_len:
+            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) "
+                             f"exceed the per-request cache of {self.cache.max_len} tokens")
+        stops = self.eos_ids if stop_ids is None else frozenset(stop_ids)
+        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens)
+        req.generator = params.generator(self.target.device)
+        req.t_start = time.perf_counter()
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        if req.done:
+            return
+        if req.status == "waiting":
+            self.waiting.remove(req)
+        else:
+            self._release(req)
+        req.status, req.finish_reason = "cancelled", "cancelled"
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and self.cache.num_free:
+            req = self.waiting.popleft()
+            req.slot = self.cache.allocate()
+            req.status = "running"
+            self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.slot is not None:
+            self.cache.free(req.slot)
+            req.slot = None
+        if req.ctx is not None:
+            self.drafter.release(req.ctx)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Advance every running request by one target forward; returns requests that ended."""
+        self._admit()
+        if not self.running:
+            return []
+        self.num_steps += 1
+        decode = [r for r in self.running if r.ctx is not None]
+        prefill = [r for r in self.running if r.ctx is None]
+
+        proposals = self._draft(decode)
+
+        ids: list[int] = []
+        segments: list[tuple[int, int]] = []
+        rows: list[int] = []
+        for r, p in zip(decode, proposals):
+            n = len(p) + 1
+            rows.extend(range(len(ids), len(ids) + n))
+            ids.append(r.ctx.tokens[-1])
+            ids.extend(p.tokens.tolist())
+            segments.append((r.slot, n))
+        budget = max(self.prefill_chunk, 1)
+        completing = []
+        for r in prefill:
+            if budget <= 0:
+                break
+            n = min(budget, len(r.prompt_ids) - r.prefilled)
+            ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
+            segments.append((r.slot, n))
+            r.prefilled += n
+            budget -= n
+            if r.prefilled == len(r.prompt_ids):
+                rows.append(len(ids) - 1)
+                completing.append(r)
+        out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache,
+                          logits_rows=torch.tensor(rows, dtype=torch.long) if rows else None)
+        ended = []
+        at = 0
+        for r, p in zip(decode, proposals):
+            l = len(p)
+            logits = out.logits[at:at + l + 1]
+            at += l + 1
+            n, nxt = verify(p.tokens, p.probs, logits, r.params, r.generator)
+            self.cache.truncate(r.slot, self.cache.lengths[r.slot] - l + n)
+            s = r.stats
+            s.num_rounds += 1
+            if l:
+                s.num_drafts += 1
+                s.num_draft_tokens += l
+                s.num_accepted_tokens += n
+                if len(s.accepted_per_position) < l:
+                    s.accepted_per_position.extend([0] * (l - len(s.accepted_per_position)))
+                for i in range(n):
+                    s.accepted_per_position[i] += 1
+            if self._emit(r, p.tokens[:n].tolist() + [nxt]):
+                ended.append(r)
+        for r in completing:
+            first, _ = sample_from_logits(out.logits[at], r.params, r.generator)
+            at += 1
+            r.stats.prefill_seconds = time.perf_counter() - r.t_start
+            r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0)
+            if self._emit(r, [int(first)]):
+                ended.append(r)
+        return ended
+
+    def _draft(self, decode: list[Request]) -> list[Proposal]:
+        proposals = [Proposal.empty() for _ in decode]
+        if not decode:
+            return proposals
+        want = self.policy.draft_lengths(decode, self.block_size)
+        active = []
+        for i, (r, w) in enumerate(zip(decode, want)):
+            r.ctx.num_draft = max(0, min(w, r.max_new_tokens - len(r.output_ids) - 1))
+            if r.ctx.num_draft > 0:
+                active.append(i)
+        if active:
+            got = self.drafter.propose([decode[i].ctx for i in active])
+            for i, p in zip(active, got):
+                proposals[i] = p.truncate(decode[i].ctx.num_draft) if len(p) > decode[i].ctx.num_draft else p
+        lengths = self.policy.verify_lengths(decode, proposals)
+        return [p.truncate(max(0, min(n, len(p)))) if n < len(p) else p
+                for p, n in zip(proposals, lengths)]
+
+    def _emit(self, r: Request, tokens: list[int]) -> bool:
+        """Append emitted tokens (cut at a stop token or the length limit); True if r ended."""
+        for i, t in enumerate(tokens):
+            if t in r.stop_ids:
+                tokens = tokens[:i + 1]
+                r.finish_reason = "stop"
+                break
+        tokens = tokens[:r.max_new_tokens - len(r.output_ids)]
+        r.output_ids.extend(tokens)
+        r.ctx.tokens.extend(tokens)
+        if r.on_tokens and tokens:
+            r.on_tokens(tokens)
+        if r.finish_reason is None and len(r.output_ids) >= r.max_new_tokens:
+            r.finish_reason = "length"
+        if r.finish_reason is None:
+            return False
+        r.stats.num_tokens = len(r.output_ids)
+        r.stats.seconds = time.perf_counter() - r.t_start
+        r.stats.finish_reason = r.finish_reason
+        r.status = "finished"
+        self._release(r)
+        return True
+
+    def run(self) -> None:
+        """Step until every request has ended."""
+        while self.has_work():
+            self.step()

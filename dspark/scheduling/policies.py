@@ -1,0 +1,65 @@
+"""Verification-length policies behind one interface.
+
+Each engine step a policy first says how many tokens to draft for each request
+(``draft_lengths``), then, seeing the proposals (tokens, probabilities, confidences), how many of
+them each request verifies (``verify_lengths``). A policy may only look at information available
+before the target verifies, so whatever it decides, the output stays the target's distribution.
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+
+
+class Policy:
+    name = "policy"
+
+    def draft_lengths(self, requests, block_size: int) -> list[int]:
+        """Tokens to draft per request (before clipping to what each request may still emit)."""
+        return [block_size] * len(requests)
+
+    def verify_lengths(self, requests, proposals) -> list[int]:
+        return [len(p) for p in proposals]
+
+
+class PlainPolicy(Policy):
+    """No speculation: draft nothing, verify nothing, one token per request per step."""
+
+    name = "plain"
+
+    def draft_lengths(self, requests, block_size):
+        return [0] * len(requests)
+
+
+class FixedPolicy(Policy):
+    """Verify a fixed block (or the whole proposal when it is shorter)."""
+
+    name = "fixed"
+
+    def __init__(self, block: int | None = None):
+        if block is not None and block < 0:
+            raise UsageError(f"block must be >= 0, got {block}")
+        self.block = block
+
+    def draft_lengths(self, requests, block_size):
+        return [block_size if self.block is None else self.block] * len(requests)
+
+
+class MTP1Policy(FixedPolicy):
+    """DeepSeek's production baseline: one drafted token per step."""
+
+    name = "mtp1"
+
+    def __init__(self):
+        super().__init__(1)
+
+
+def make_policy(name: str, block: int | None = None) -> Policy:
+    name = name.strip().lower()
+    if name == "plain":
+        return PlainPolicy()
+    if name == "fixed":
+        return FixedPolicy(block)
+    if name == "mtp1":
+        return MTP1Policy()
+    raise UsageError(f"unknown policy {name!r}; choose plain, mtp1 or fixed")
