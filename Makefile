@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # AVX-512 without AMX (set LLAMA_CMAKE_ARGS= to build for the native CPU instead).
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
-DEMO_PROMPT ?= Add type hints and a docstring to this Python function:\n\ndef mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)
+DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef is_even(n):\n    return n %% 2 == 1
 
 .PHONY: setup demo test bench llama-cpp qwen-coder clean
 

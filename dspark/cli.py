@@ -69,6 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plain decoding on the same prompt and report the speed-up")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
+    pr = sub.add_parser("profile", help="measure engine step costs on this machine (the cost table)")
+    pr.add_argument("--drafter", default="ngram")
+    pr.add_argument("--requests", default="1,2,4,8,16,32", help="numbers of concurrent requests")
+    pr.add_argument("--verified", default="0,1,2,3,5,7", help="draft tokens verified per request")
+    pr.add_argument("--contexts", default="128,512", help="context lengths")
+    pr.add_argument("--repeats", type=_positive_int, default=5)
+    pr.add_argument("--output", default=None, help="where to write the table (default: the user cache, "
+                                                   "where the engine looks for it)")
+    pr.add_argument("--plot", default=None, help="write a PNG of the curves here")
+    _add_model_flags(pr)
+    pr.set_defaults(threads=2)
+    pr.add_argument("--json", action="store_true")
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     s = bsub.add_parser("speed", help="batch-1 tokens/s side by side: HF, ours, llama.cpp")
@@ -83,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(threads=2)
     s.add_argument("--json", action="store_true")
     s.add_argument("--markdown", default=None, help="also write the table to this file")
+
+    c = bsub.add_parser("concurrency", help="closed-loop clients through the engine, per policy")
+    c.add_argument("--concurrency", default="1,2,4,8,16,32")
+    c.add_argument("--policies", default="plain,mtp1,fixed",
+                   help="comma list of plain, mtp1, fixed; NAME-padded runs NAME on a padded layout")
+    c.add_argument("--block", type=_int, default=7, help="block of the fixed policy (drafted tokens)")
+    c.add_argument("--drafter", default="ngram")
+    c.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
+    c.add_argument("--num-prompts", type=_positive_int, default=32)
+    c.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    c.add_argument("--temperature", type=_float, default=0.0)
+    c.add_argument("--seed", type=_int, default=0)
+    c.add_argument("--plot", default=None, help="write the Pareto PNG here")
+    _add_model_flags(c)
+    c.set_defaults(threads=2)
+    c.add_argument("--json", action="store_true")
     return parser
 
 
@@ -128,6 +157,13 @@ def cmd_generate(args) -> int:
         out["plain_tokens_per_second"] = base.tokens_per_second
         out["speedup"] = res.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
         out["identical_to_plain"] = base.token_ids == res.token_ids
+        if not out["identical_to_plain"]:
+            from .api import encode_prompt
+            from .evaluation.identity import first_divergence, top2_gap
+            i = first_divergence(res.token_ids, base.token_ids)
+            ids = encode_prompt(target.tokenizer, args.prompt, args.chat) + base.token_ids[:i]
+            out["first_divergence"] = i
+            out["top2_logit_gap_at_divergence"] = top2_gap(target.model, ids)
     if args.json:
         print(json.dumps(out))
     else:
@@ -136,10 +172,43 @@ def cmd_generate(args) -> int:
                 f"accept length {res.accept_length:.2f}, {res.tokens_per_second:.1f} tokens/s")
         if args.compare:
             line += (f"; plain decoding {out['plain_tokens_per_second']:.1f} tokens/s, "
-                     f"speed-up {out['speedup']:.2f}x"
-                     + ("" if args.temperature > 0 else
-                        f", greedy output {'identical' if out['identical_to_plain'] else 'DIFFERENT'}"))
+                     f"speed-up {out['speedup']:.2f}x")
+            if args.temperature == 0 and out["identical_to_plain"]:
+                line += ", greedy output identical to plain decoding"
+            elif args.temperature == 0:
+                line += (f"; greedy outputs first differ at token {out['first_divergence']}, where the "
+                         f"target's top-2 logits are {out['top2_logit_gap_at_divergence']:.3g} apart "
+                         f"(a near tie that {args.dtype} rounding of a one-token and a multi-token "
+                         "forward can flip; --dtype fp32 is exact)")
         print(line, file=sys.stderr if not args.compare else sys.stdout)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .data import load_prompts
+    from .drafters import load_drafter
+    from .evaluation.concurrency import _int_list
+    from .runtime.loading import load_target
+    from .scheduling import sps
+
+    requests = _int_list(args.requests, "--requests")
+    verified = sorted(set(_int_list(args.verified, "--verified", minimum=0)))
+    contexts = _int_list(args.contexts, "--contexts")
+    _setup_torch(args)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(args.drafter, target)
+    tok = target.tokenizer
+    prompts = [tok(p)["input_ids"] for d in ("humaneval", "gsm8k", "mt-bench") for p in load_prompts(d, 4)]
+
+    def progress(ctx, r, v, sec):
+        print(f"context {ctx:>5}  requests {r:>3}  verified {v}: {1e3 * sec:.1f} ms/step", file=sys.stderr)
+    table = sps.profile(target, drafter, prompts, requests, verified, contexts, args.repeats, progress)
+    path = table.save(args.output)
+    print(f"cost table written to {path}", file=sys.stderr)
+    if args.plot:
+        sps.plot(table, args.plot)
+    if args.json:
+        print(json.dumps({"path": str(path), **table.to_json()}))
     return 0
 
 
@@ -148,6 +217,9 @@ def cmd_bench(args) -> int:
     if args.bench == "speed":
         from .evaluation.speed import run_speed_bench
         return run_speed_bench(args)
+    if args.bench == "concurrency":
+        from .evaluation.concurrency import run_concurrency_bench
+        return run_concurrency_bench(args)
     raise UsageError(f"unknown benchmark {args.bench!r}")
 
 
@@ -162,6 +234,8 @@ def main(argv=None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "profile":
+            return cmd_profile(args)
         parser.error(f"unknown command {args.command}")
     except UsageError as e:
         print(f"dspark: error: {e}", file=sys.stderr)

@@ -62,7 +62,7 @@ class Request:
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
-                 prefill_chunk: int = 2048, eos_ids=()):
+                 prefill_chunk: int = 2048, eos_ids=(), padded: bool = False):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
         self.target = target
@@ -71,6 +71,9 @@ class Engine:
         self.block_size = self.drafter.block_size if block_size is None else block_size
         self.prefill_chunk = prefill_chunk
         self.eos_ids = frozenset(eos_ids)
+        # padded=True pads every request's block to the longest one in the step (the layout of a
+        # dense [batch, block] verification), only to measure what the ragged layout saves
+        self.padded = padded
         self.cache = target.new_cache(max_requests, max_len)
         self.drafter.prepare(max_requests, max_len)
         self.waiting: deque[Request] = deque()
@@ -139,12 +142,18 @@ class Engine:
         ids: list[int] = []
         segments: list[tuple[int, int]] = []
         rows: list[int] = []
+        width = max((len(p) for p in proposals), default=0)
+        seg_len = []
         for r, p in zip(decode, proposals):
             n = len(p) + 1
             rows.extend(range(len(ids), len(ids) + n))
             ids.append(r.ctx.tokens[-1])
             ids.extend(p.tokens.tolist())
+            if self.padded and width > len(p):   # dummy tokens, computed then rolled back
+                ids.extend([r.ctx.tokens[-1]] * (width - len(p)))
+                n = width + 1
             segments.append((r.slot, n))
+            seg_len.append(n)
         budget = max(self.prefill_chunk, 1)
         completing = []
         for r in prefill:
@@ -162,12 +171,12 @@ class Engine:
                           logits_rows=torch.tensor(rows, dtype=torch.long) if rows else None)
         ended = []
         at = 0
-        for r, p in zip(decode, proposals):
+        for r, p, sent in zip(decode, proposals, seg_len):
             l = len(p)
             logits = out.logits[at:at + l + 1]
             at += l + 1
             n, nxt = verify(p.tokens, p.probs, logits, r.params, r.generator)
-            self.cache.truncate(r.slot, self.cache.lengths[r.slot] - l + n)
+            self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
             s = r.stats
             s.num_rounds += 1
             if l:

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dspark.drafters import DraftLMDrafter, NgramDrafter
 from dspark.engine import Engine
 from dspark.errors import UsageError
+from dspark.evaluation.identity import first_divergence, top2_gap
 from dspark.generation import generate_ids
 from dspark.runtime.model import Decoder
 from dspark.sampling import SamplingParams, probs_from_logits
@@ -48,12 +49,8 @@ def test_concurrent_greedy_equals_batch_1(target_fp32, bench_prompts):
     assert max(engine.num_steps, 0) > 0
     for r, ref in zip(reqs, solo):
         if r.output_ids != ref:
-            i = next(i for i, (a, b) in enumerate(zip(r.output_ids, ref)) if a != b)
-            ids = r.prompt_ids + ref[:i]
-            cache = target_fp32.model.new_cache(1, len(ids) + 1)
-            top = target_fp32.model(torch.tensor(ids), [(cache.allocate(), len(ids))], cache,
-                                    logits_rows="last").logits[0].topk(2).values
-            gap = float(top[0] - top[1])
+            i = first_divergence(r.output_ids, ref)
+            gap = top2_gap(target_fp32.model, r.prompt_ids + ref[:i])
             assert gap < 1e-4, f"request {r.id} diverges at token {i} (top-2 gap {gap:.2e})"
             print(f"near tie at token {i}, gap {gap:.2e}")
     assert sum(r.stats.num_accepted_tokens for r in reqs) > 0
@@ -144,3 +141,14 @@ def test_request_larger_than_a_slot_is_refused():
     engine = Engine(_tiny(0, vocab=11), max_requests=1, max_len=16)
     with pytest.raises(UsageError):
         engine.add_request(list(range(10)), GREEDY, 10)
+
+
+def test_padded_layout_gives_the_same_outputs():
+    target = _tiny(0, vocab=11, scale=4.0)
+    outs = []
+    for padded in (False, True):
+        engine = Engine(target, NgramDrafter(block_size=4), max_requests=4, max_len=64, padded=padded)
+        reqs = [engine.add_request([1 + i, 2, 3, 1 + i, 2], GREEDY, 20) for i in range(4)]
+        engine.run()
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]

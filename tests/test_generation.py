@@ -11,26 +11,13 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.drafters import DraftLMDrafter, NgramDrafter, load_drafter
+from dspark.evaluation.identity import first_divergence, top2_gap
 from dspark.generation import generate_ids
 from dspark.runtime.model import Decoder
 from dspark.sampling import SamplingParams, probs_from_logits
 
 GREEDY = SamplingParams(temperature=0)
 NEW_TOKENS = 64
-
-
-def _first_divergence(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _top2_gap(target, ids):
-    cache = target.model.new_cache(1, len(ids) + 1)
-    out = target.model(torch.tensor(ids), [(cache.allocate(), len(ids))], cache, logits_rows="last")
-    top = out.logits[0].float().topk(2).values
-    return float(top[0] - top[1])
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +35,10 @@ def test_greedy_speculative_equals_plain_decoding(target_fp32, bench_prompts, pl
         spec, stats = generate_ids(target_fp32.model, prompt, GREEDY, NEW_TOKENS, drafter,
                                    eos_ids=target_fp32.eos_token_ids)
         accepted += stats.num_accepted_tokens
-        i = _first_divergence(spec, plain)
+        i = first_divergence(spec, plain)
         if i is None:
             continue
-        gap = _top2_gap(target_fp32, prompt + plain[:i])
+        gap = top2_gap(target_fp32.model, prompt + plain[:i])
         assert gap < 1e-4, (f"{drafter_name}: output diverges from plain decoding at token {i} "
                             f"where the target's top-2 logits differ by {gap:.2e}")
         near_ties.append((i, gap))
@@ -117,9 +104,13 @@ def test_sampled_output_has_target_distribution_through_the_loop():
 def test_ngram_lookup_prefers_longest_most_recent_match():
     from dspark.drafters.ngram import lookup
     toks = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
-    assert lookup(toks, 3, max_ngram=3).tolist() == [7, 8, 5]   # suffix "2 3" last seen before "7 8 5"
-    assert lookup(np.array([4, 5, 6]), 3).tolist() == []
+    cont, n = lookup(toks, 3, max_ngram=3)
+    assert (cont.tolist(), n) == ([7, 8, 5], 2)   # suffix "2 3" last seen before "7 8 5"
+    assert lookup(np.array([4, 5, 6]), 3)[0].tolist() == []
+    assert lookup(np.array([4, 5, 4, 9, 9, 9, 4]), 9)[0].tolist() == [9, 9, 9, 4]  # weak 1-token match
     d = NgramDrafter(block_size=4)
     from dspark.drafters import DraftContext
     prop = d.propose([DraftContext([1, 2, 3, 4, 1, 2], GREEDY, None, 4)])[0]
     assert prop.tokens.tolist() == [3, 4, 1, 2] and prop.probs is None
+    weak = d.propose([DraftContext([4, 5, 4, 9, 9, 9, 4], GREEDY, None, 4)])[0]
+    assert weak.tokens.tolist() == [9, 9, 9]   # a 1-token match proposes at most 3

@@ -2,7 +2,9 @@
 
 Like vLLM's ``ngram`` method and HF's ``prompt_lookup_num_tokens``: the drafter looks for the
 longest suffix of the sequence (``max_ngram`` down to ``min_ngram`` tokens) that occurred
-earlier, and proposes the tokens that followed its most recent occurrence. The proposal is a
+earlier, and proposes the tokens that followed its most recent occurrence. A match of a single
+token is weak evidence, so it proposes at most ``weak_match_tokens`` tokens then (verifying a
+token costs a little even when the forward is bound by reading weights). The proposal is a
 deterministic choice (point masses), so verification uses ``probs=None``.
 """
 
@@ -14,8 +16,9 @@ import torch
 from .base import DraftContext, Drafter, Proposal
 
 
-def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> np.ndarray:
-    """Continuation of the most recent earlier match of the longest matching suffix."""
+def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 5, min_ngram: int = 1
+           ) -> tuple[np.ndarray, int]:
+    """(continuation of the most recent earlier match of the longest matching suffix, its length)."""
     n_tok = tokens.shape[0]
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         suffix = tokens[n_tok - n:]
@@ -23,19 +26,21 @@ def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 3, min_ngram: i
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + num_tokens]
-    return tokens[:0]
+            return tokens[start:start + num_tokens], n
+    return tokens[:0], 0
 
 
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, block_size: int = 10, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, block_size: int = 10, max_ngram: int = 5, min_ngram: int = 1,
+                 weak_match_tokens: int = 3):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.block_size = block_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.weak_match_tokens = weak_match_tokens
 
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
         out = []
@@ -44,6 +49,8 @@ class NgramDrafter(Drafter):
                 out.append(Proposal.empty())
                 continue
             toks = np.asarray(ctx.tokens, dtype=np.int64)
-            cont = lookup(toks, ctx.num_draft, self.max_ngram, self.min_ngram)
+            cont, n = lookup(toks, ctx.num_draft, self.max_ngram, self.min_ngram)
+            if n == 1:
+                cont = cont[:self.weak_match_tokens]
             out.append(Proposal(torch.from_numpy(cont.copy())))
         return out

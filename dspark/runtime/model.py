@@ -202,7 +202,7 @@ class Decoder:
                        max_len=max_len, dtype=self.dtype, device=self.device)
 
     def compute_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        logits = _linear(last_hidden, self.lm_head)
+        logits = _linear(last_hidden, self.lm_head).contiguous()  # rows contiguous: argmax, softmax
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

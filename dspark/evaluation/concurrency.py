@@ -1,0 +1,137 @@
+"""``dspark bench concurrency``: closed-loop clients through the engine, per policy.
+
+At concurrency C, C clients each keep one request in flight: when a request ends its client sends
+the next prompt, until ``num_prompts`` requests have run. Reported per (policy, concurrency):
+total tokens/s (all new tokens over the wall time) and per-user tokens/s (mean over requests of
+new tokens over that request's latency, queueing included). Policies run side by side in one
+process, interleaved per concurrency level.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from ..data import load_prompts
+from ..drafters import load_drafter
+from ..engine import Engine
+from ..errors import UsageError
+from ..runtime.loading import load_target
+from ..sampling import SamplingParams
+from ..scheduling.policies import make_policy
+
+
+def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what}: expected a comma list of integers, got {text!r}") from None
+    if not vals or any(v < minimum for v in vals):
+        raise UsageError(f"{what}: values must be >= {minimum}")
+    return vals
+
+
+def _policy(name: str, block: int):
+    """A policy name, optionally with "-padded": the same policy on a padded (dense) layout."""
+    padded = name.endswith("-padded")
+    return make_policy(name[:-len("-padded")] if padded else name, block), padded
+
+
+def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
+                    max_new_tokens: int, params: SamplingParams, block_size: int,
+                    padded: bool = False, label: str | None = None) -> dict:
+    max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 2
+    engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
+                    block_size=block_size, eos_ids=target.eos_token_ids, padded=padded)
+    queue = list(prompts)
+    live, done = [], []
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            live.append(engine.add_request(queue.pop(0), params, max_new_tokens))
+        engine.step()
+        still = []
+        for r in live:
+            (done if r.done else still).append(r)
+        live = still
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.output_ids) for r in done)
+    per_user = sum(len(r.output_ids) / r.stats.seconds for r in done if r.stats.seconds > 0) / len(done)
+    drafted = sum(r.stats.num_draft_tokens for r in done)
+    accepted = sum(r.stats.num_accepted_tokens for r in done)
+    rounds = sum(r.stats.num_rounds for r in done)
+    return {"policy": label or policy.name, "concurrency": concurrency, "requests": len(done),
+            "total_tokens_per_second": tokens / wall, "per_user_tokens_per_second": per_user,
+            "engine_steps": engine.num_steps, "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "accept_length": (tokens - len(done)) / rounds if rounds else 0.0}
+
+
+def run_concurrency_bench(args) -> int:
+    levels = _int_list(args.concurrency, "--concurrency")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        _policy(p, args.block)  # validate names before loading anything
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(args.drafter, target, block_size=args.block)
+    block = args.block or drafter.block_size
+    tok = target.tokenizer
+    texts = []
+    for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
+        texts.extend(load_prompts(d))
+    if args.num_prompts > len(texts):
+        texts = (texts * (args.num_prompts // len(texts) + 1))
+    texts = texts[:args.num_prompts]
+    prompts = []
+    for t in texts:
+        chat = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=False)
+        prompts.append(tok(chat, add_special_tokens=False)["input_ids"])
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    results = []
+    for c in levels:
+        for name in policies:
+            policy, padded = _policy(name, block)
+            res = run_closed_loop(target, drafter, policy, prompts, c, args.max_new_tokens, params,
+                                  block, padded=padded, label=name)
+            results.append(res)
+            print(f"concurrency {c:>3} {name:>6}: total {res['total_tokens_per_second']:.1f} tok/s, "
+                  f"per user {res['per_user_tokens_per_second']:.1f} tok/s, "
+                  f"accept length {res['accept_length']:.2f}", file=sys.stderr)
+    lines = ["| policy | concurrency | total tok/s | per-user tok/s | accept length |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['policy']} | {r['concurrency']} | {r['total_tokens_per_second']:.1f} | "
+                     f"{r['per_user_tokens_per_second']:.1f} | {r['accept_length']:.2f} |")
+    print("\n".join(lines))
+    if args.plot:
+        _pareto_plot(results, args.plot)
+    if args.json:
+        print(json.dumps({"drafter": drafter.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                          "results": results}))
+    return 0
+
+
+def _pareto_plot(results, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name in dict.fromkeys(r["policy"] for r in results):
+        rs = [r for r in results if r["policy"] == name]
+        xs = [r["total_tokens_per_second"] for r in rs]
+        ys = [r["per_user_tokens_per_second"] for r in rs]
+        ax.plot(xs, ys, marker="o", label=name)
+        for r, x, y in zip(rs, xs, ys):
+            ax.annotate(str(r["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("total tokens/s")
+    ax.set_ylabel("tokens/s per user")
+    ax.set_title("Throughput vs per-user speed (labels: concurrency)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,45 @@
+"""The benchmark commands run end to end on tiny settings and report what they promise."""
+
+import json
+
+from dspark.cli import main
+from dspark.data import benchmark_names, load_prompts
+
+
+def test_shipped_benchmarks():
+    assert set(benchmark_names()) >= {"gsm8k", "humaneval", "mt-bench", "math500", "aime25", "mbpp",
+                                      "livecodebench"}
+    assert len(load_prompts("humaneval", 8)) == 8
+
+
+def test_dataset_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nope": 1}\n')
+    assert main(["bench", "speed", "--datasets", str(bad), "--systems", "plain"]) == 2
+    assert "turns" in capsys.readouterr().err
+    assert main(["bench", "speed", "--datasets", "no-such-set", "--systems", "plain"]) == 2
+
+
+def test_speed_bench_json(capsys):
+    code = main(["bench", "speed", "--systems", "plain,ngram", "--datasets", "humaneval",
+                 "--num-prompts", "1", "--max-new-tokens", "8", "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["system"]: r for r in res["results"]}
+    assert set(rows) == {"plain", "ngram"}
+    assert rows["plain"]["tokens"] > 0 and rows["ngram"]["speedup_vs_own_plain"] > 0
+    assert main(["bench", "speed", "--systems", "warp-drive"]) == 2
+
+
+def test_concurrency_bench_json(capsys, tmp_path):
+    png = tmp_path / "pareto.png"
+    code = main(["bench", "concurrency", "--concurrency", "1,3", "--policies", "plain,mtp1,fixed",
+                 "--num-prompts", "3", "--max-new-tokens", "6", "--plot", str(png), "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert {(r["policy"], r["concurrency"]) for r in res} == {(p, c) for p in ("plain", "mtp1", "fixed")
+                                                             for c in (1, 3)}
+    assert all(r["total_tokens_per_second"] > 0 and r["per_user_tokens_per_second"] > 0 for r in res)
+    assert png.stat().st_size > 1000
+    assert main(["bench", "concurrency", "--policies", "bogus"]) == 2
+    assert main(["bench", "concurrency", "--concurrency", "0"]) == 2

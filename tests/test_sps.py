@@ -1,0 +1,44 @@
+"""The cost table: profiling real engine steps, interpolation, save / load, clear errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark.drafters import NgramDrafter
+from dspark.errors import DsparkError
+from dspark.runtime.loading import Target
+from dspark.runtime.model import Decoder
+from dspark.scheduling import sps
+
+
+def _target():
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)).eval()
+    return Target("tiny", Path("tiny"), Decoder.from_hf(hf), None)
+
+
+def test_profile_save_load_lookup(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target = _target()
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8]]
+    table = sps.profile(target, NgramDrafter(block_size=3), prompts, requests=(1, 3), verified=(0, 2, 3),
+                        contexts=(16, 32), repeats=2)
+    assert len(table.seconds) == 2 and len(table.seconds[0]) == 2 and len(table.seconds[0][0]) == 3
+    assert all(s > 0 for c in table.seconds for r in c for s in r)
+    path = table.save()
+    assert path == sps.table_path(table.key)
+    again = sps.CostTable.find(table.key)
+    assert again.seconds == table.seconds
+    # interpolation: exact on the grid, between neighbours off it, clamped outside
+    s00, s02 = table.seconds[0][0][0], table.seconds[0][0][1]
+    assert again.step_seconds(1, 0, 16) == pytest.approx(s00)
+    assert min(s00, s02) <= again.step_seconds(1, 1, 16) <= max(s00, s02)
+    assert again.step_seconds(99, 0, 16) == pytest.approx(table.seconds[0][1][0])
+    path.write_text("{ not json")
+    with pytest.raises(DsparkError, match="dspark profile"):
+        sps.CostTable.find(table.key)
+    assert sps.CostTable.find("no|such|table|key") is None
