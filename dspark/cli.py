@@ -189,7 +189,7 @@ def cmd_profile(args) -> int:
     from .drafters import load_drafter
     from .evaluation.concurrency import _int_list
     from .runtime.loading import load_target
-    from .scheduling import sps
+    from .evaluation import profile as prof
 
     requests = _int_list(args.requests, "--requests")
     verified = sorted(set(_int_list(args.verified, "--verified", minimum=0)))
@@ -202,11 +202,11 @@ def cmd_profile(args) -> int:
 
     def progress(ctx, r, v, sec):
         print(f"context {ctx:>5}  requests {r:>3}  verified {v}: {1e3 * sec:.1f} ms/step", file=sys.stderr)
-    table = sps.profile(target, drafter, prompts, requests, verified, contexts, args.repeats, progress)
+    table = prof.profile(target, drafter, prompts, requests, verified, contexts, args.repeats, progress)
     path = table.save(args.output)
     print(f"cost table written to {path}", file=sys.stderr)
     if args.plot:
-        sps.plot(table, args.plot)
+        prof.plot(table, args.plot)
     if args.json:
         print(json.dumps({"path": str(path), **table.to_json()}))
     return 0

@@ -62,7 +62,7 @@ class Request:
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
-                 prefill_chunk: int = 2048, eos_ids=(), padded: bool = False):
+                 prefill_chunk: int = 2048, eos_ids=(), padded: bool = False, cost_table=None):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
         self.target = target
@@ -74,6 +74,7 @@ class Engine:
         # padded=True pads every request's block to the longest one in the step (the layout of a
         # dense [batch, block] verification), only to measure what the ragged layout saves
         self.padded = padded
+        self.cost_table = cost_table  # scheduling.sps.CostTable measured by `dspark profile`, or None
         self.cache = target.new_cache(max_requests, max_len)
         self.drafter.prepare(max_requests, max_len)
         self.waiting: deque[Request] = deque()

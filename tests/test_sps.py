@@ -10,6 +10,7 @@ from dspark.drafters import NgramDrafter
 from dspark.errors import DsparkError
 from dspark.runtime.loading import Target
 from dspark.runtime.model import Decoder
+from dspark.evaluation import profile as prof
 from dspark.scheduling import sps
 
 
@@ -25,7 +26,7 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     target = _target()
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8]]
-    table = sps.profile(target, NgramDrafter(block_size=3), prompts, requests=(1, 3), verified=(0, 2, 3),
+    table = prof.profile(target, NgramDrafter(block_size=3), prompts, requests=(1, 3), verified=(0, 2, 3),
                         contexts=(16, 32), repeats=2)
     assert len(table.seconds) == 2 and len(table.seconds[0]) == 2 and len(table.seconds[0][0]) == 3
     assert all(s > 0 for c in table.seconds for r in c for s in r)

@@ -2,7 +2,8 @@
 
 Like vLLM's ``ngram`` method and HF's ``prompt_lookup_num_tokens``: the drafter looks for the
 longest suffix of the sequence (``max_ngram`` down to ``min_ngram`` tokens) that occurred
-earlier, and proposes the tokens that followed its most recent occurrence. A match of a single
+earlier, and proposes the tokens that followed its most recent occurrence among those whose next
+token is the most frequent one after that suffix (a vote between earlier occurrences). A match of a single
 token is weak evidence, so it proposes at most ``weak_match_tokens`` tokens then (verifying a
 token costs a little even when the forward is bound by reading weights). The proposal is a
 deterministic choice (point masses), so verification uses ``probs=None``.
@@ -18,14 +19,23 @@ from .base import DraftContext, Drafter, Proposal
 
 def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 5, min_ngram: int = 1
            ) -> tuple[np.ndarray, int]:
-    """(continuation of the most recent earlier match of the longest matching suffix, its length)."""
+    """(continuation of the chosen earlier match of the longest matching suffix, its length).
+
+    Among the earlier occurrences of the suffix, the most recent one whose next token is the most
+    frequent next token wins."""
     n_tok = tokens.shape[0]
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         suffix = tokens[n_tok - n:]
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:n_tok - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            hit = hits[-1]
+            if hits.size > 1:
+                nxt = tokens[hits + n]
+                values, counts = np.unique(nxt, return_counts=True)
+                winners = values[counts == counts.max()]
+                hit = hits[np.flatnonzero(np.isin(nxt, winners))[-1]]
+            start = int(hit) + n
             return tokens[start:start + num_tokens], n
     return tokens[:0], 0
 
@@ -34,7 +44,7 @@ class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, block_size: int = 10, max_ngram: int = 5, min_ngram: int = 1,
-                 weak_match_tokens: int = 3):
+                 weak_match_tokens: int = 5):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.block_size = block_size

@@ -22,6 +22,7 @@ from ..errors import UsageError
 from ..runtime.loading import load_target
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
+from ..scheduling.sps import CostTable, table_key
 
 
 def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
@@ -42,10 +43,11 @@ def _policy(name: str, block: int):
 
 def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
                     max_new_tokens: int, params: SamplingParams, block_size: int,
-                    padded: bool = False, label: str | None = None) -> dict:
+                    padded: bool = False, label: str | None = None, cost_table=None) -> dict:
     max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 2
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
-                    block_size=block_size, eos_ids=target.eos_token_ids, padded=padded)
+                    block_size=block_size, eos_ids=target.eos_token_ids, padded=padded,
+                    cost_table=cost_table)
     queue = list(prompts)
     live, done = [], []
     t0 = time.perf_counter()
@@ -78,6 +80,10 @@ def run_concurrency_bench(args) -> int:
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter, target, block_size=args.block)
     block = args.block or drafter.block_size
+    # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
+    cost_table = CostTable.find(table_key(target.name, drafter.name,
+                                          str(target.model.dtype).replace("torch.", ""),
+                                          str(target.model.device)))
     tok = target.tokenizer
     texts = []
     for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
@@ -96,7 +102,7 @@ def run_concurrency_bench(args) -> int:
         for name in policies:
             policy, padded = _policy(name, block)
             res = run_closed_loop(target, drafter, policy, prompts, c, args.max_new_tokens, params,
-                                  block, padded=padded, label=name)
+                                  block, padded=padded, label=name, cost_table=cost_table)
             results.append(res)
             print(f"concurrency {c:>3} {name:>6}: total {res['total_tokens_per_second']:.1f} tok/s, "
                   f"per user {res['per_user_tokens_per_second']:.1f} tok/s, "

@@ -2,8 +2,9 @@
 as a function of the number of requests and of the tokens each verifies, at a few context
 lengths, measured on this machine for one (target, drafter, dtype, device).
 
-``dspark profile`` writes it; schedulers read ``step_seconds(requests, verified_tokens, context)``
-(steps per second = 1 / that) to weigh a longer verification against its cost.
+``dspark profile`` (evaluation/profile.py) measures and writes it; schedulers read
+``step_seconds(requests, verified_tokens, context)`` (steps per second = 1 / that) to weigh a
+longer verification against its cost.
 """
 
 from __future__ import annotations
@@ -12,20 +13,12 @@ import hashlib
 import json
 import logging
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-
-from ..drafters.base import Drafter, Proposal
-from ..engine import Engine
 from ..errors import DsparkError
 from ..runtime.loading import cache_dir
-from ..sampling import SamplingParams
-from .policies import FixedPolicy
 
 log = logging.getLogger("dspark")
 
@@ -88,96 +81,3 @@ class CostTable:
                         "back to fixed blocks)", key)
             return None
         return cls.load(path)
-
-
-class _ExactLength(Drafter):
-    """Runs the real drafter, then pads or cuts each proposal to exactly the requested length so
-    that a profiled step verifies exactly that many tokens."""
-
-    def __init__(self, inner: Drafter, vocab: int):
-        self.inner = inner
-        self.name = inner.name
-        self.block_size = inner.block_size
-        self.vocab = vocab
-        self.gen = torch.Generator().manual_seed(0)
-
-    def prepare(self, max_requests, max_len):
-        self.inner.prepare(max_requests, max_len)
-
-    def release(self, ctx):
-        self.inner.release(ctx)
-
-    def propose(self, contexts):
-        out = []
-        for ctx, p in zip(contexts, self.inner.propose(contexts)):
-            need = ctx.num_draft - len(p)
-            if need > 0:
-                pad = torch.randint(0, self.vocab, (need,), generator=self.gen)
-                p = Proposal(torch.cat([p.tokens.cpu(), pad]))
-            out.append(p.truncate(ctx.num_draft))
-        return out
-
-
-def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 4, 8, 16, 32),
-            verified=(0, 1, 2, 3, 5, 7), contexts=(128, 512), repeats: int = 5, progress=None) -> CostTable:
-    """Median seconds of full engine steps (greedy: verification is then never the bottleneck
-    of what is measured, the forward and the drafter are)."""
-    params = SamplingParams(temperature=0)
-    vocab = target.model.config.vocab_size
-    grid = []
-    max_v = max(verified)
-    for ctx_len in contexts:
-        per_ctx = []
-        base = []
-        for p in prompts:  # stretch or cut real prompts to the context length
-            seq = (p * (ctx_len // max(len(p), 1) + 1))[:ctx_len]
-            base.append(seq)
-        for R in requests:
-            row = []
-            # one engine per (context, R): prefill once, then time steps at each verified length
-            per_v = repeats + 1
-            new_tokens = sum(per_v * (v + 1) for v in verified) + 2
-            engine = Engine(target.model, _ExactLength(drafter, vocab), FixedPolicy(0), max_requests=R,
-                            max_len=ctx_len + new_tokens + max_v + 2, block_size=max_v,
-                            prefill_chunk=1 << 30)
-            reqs = [engine.add_request(base[i % len(base)], params, new_tokens, stop_ids=())
-                    for i in range(R)]
-            engine.step()  # prefill every request in one forward
-            for v in verified:
-                engine.policy = FixedPolicy(v)
-                engine.step()  # warm-up at this shape
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - t)
-                row.append(statistics.median(times))
-                if progress:
-                    progress(ctx_len, R, v, row[-1])
-            for r in reqs:
-                engine.cancel(r)
-            per_ctx.append(row)
-        grid.append(per_ctx)
-    key = table_key(target.name, drafter.name, str(target.model.dtype).replace("torch.", ""),
-                    str(target.model.device))
-    return CostTable(key, list(requests), list(verified), list(contexts), grid,
-                     machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads")
-
-
-def plot(table: CostTable, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(table.contexts), figsize=(5 * len(table.contexts), 4), squeeze=False)
-    for ax, ctx, grid in zip(axes[0], table.contexts, table.seconds):
-        for R, row in zip(table.requests, grid):
-            ax.plot(table.verified, [1e3 * s for s in row], marker="o", label=f"{R} req")
-        ax.set_title(f"context {ctx}")
-        ax.set_xlabel("draft tokens verified per request")
-        ax.set_ylabel("ms per engine step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(table.key)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
