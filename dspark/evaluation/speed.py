@@ -24,9 +24,11 @@ from ..generation import generate_ids
 from ..runtime.loading import load_hf, load_target
 from ..sampling import SamplingParams
 
-ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "llama.cpp-plain",
+ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-hf-rule", "llama.cpp-plain",
                "llama.cpp-prompt-lookup")
-BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain",
+# ngram-hf-rule: our engine with HF's lookup rule (earliest match of a 2-gram, else 1-gram, 10
+# tokens), to compare lookup rules on the same text
+BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule": "plain",
                "llama.cpp-prompt-lookup": "llama.cpp-plain"}
 
 
@@ -146,6 +148,9 @@ def run_speed_bench(args) -> int:
             runners[s] = _ours_system(target, PlainDrafter(), max_new, eos)
         elif s == "ngram":
             runners[s] = _ours_system(target, NgramDrafter(block_size=args.num_draft or 10), max_new, eos)
+        elif s == "ngram-hf-rule":
+            hf_rule = NgramDrafter(block_size=10, max_ngram=2, weak_match_tokens=10, rule="first")
+            runners[s] = _ours_system(target, hf_rule, max_new, eos)
         else:
             if not target.path.is_file():
                 skipped[s] = "llama.cpp needs a GGUF target"
