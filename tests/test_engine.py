@@ -1,12 +1,8 @@
 """The engine: continuous batching over a ragged batch, lossless under concurrency, memory freed
 at once, admission queues when the cache is full."""
 
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.drafters import DraftLMDrafter, NgramDrafter
@@ -15,8 +11,10 @@ from dspark.errors import UsageError
 from dspark.evaluation.identity import first_divergence, top2_gap
 from dspark.generation import generate_ids
 from dspark.runtime.model import Decoder
-from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.sampling import SamplingParams
 from dspark.scheduling.policies import FixedPolicy, Policy
+
+from _lossless import chi2_pvalue, exact_law
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -90,17 +88,7 @@ def test_sampling_through_engine_with_concurrency_keeps_target_distribution():
     counts = {}
     for r in reqs:
         counts[tuple(r.output_ids[:n_new])] = counts.get(tuple(r.output_ids[:n_new]), 0) + 1
-    exact = {}
-    cache = target.new_cache(1, 16)
-    slot = cache.allocate()
-    for seq in itertools.product(range(5), repeat=n_new):
-        cache.truncate(slot, 0)
-        ids = prompt + list(seq)
-        probs = probs_from_logits(target(torch.tensor(ids), [(slot, len(ids))], cache).logits, params)
-        exact[seq] = float(np.prod([float(probs[len(prompt) - 1 + i, t]) for i, t in enumerate(seq)]))
-    obs = np.array([counts.get(s, 0) for s in exact], float)
-    e = np.array(list(exact.values()))
-    assert chisquare(obs, e / e.sum() * obs.sum()).pvalue > 1e-3
+    assert chi2_pvalue(counts, exact_law(target, prompt, n_new, params, 5)) > 1e-3
 
 
 def test_cancel_frees_memory_at_once():

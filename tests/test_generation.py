@@ -2,19 +2,18 @@
 decoding token for token, seeds fix outputs; and on a tiny random target + draft pair, sampled
 output through the whole loop (drafting, cache rollback, verification) has the target's law."""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.drafters import DraftLMDrafter, NgramDrafter, load_drafter
 from dspark.evaluation.identity import first_divergence, top2_gap
 from dspark.generation import generate_ids
 from dspark.runtime.model import Decoder
-from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.sampling import SamplingParams
+
+from _lossless import chi2_pvalue, exact_law
 
 GREEDY = SamplingParams(temperature=0)
 NEW_TOKENS = 64
@@ -85,20 +84,7 @@ def test_sampled_output_has_target_distribution_through_the_loop():
     for gp in g_params:
         out, _ = generate_ids(target, prompt, gp, n_new, drafter)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    exact = {}
-    cache = target.new_cache(1, 16)
-    slot = cache.allocate()
-    for seq in itertools.product(range(5), repeat=n_new):
-        cache.truncate(slot, 0)
-        ids = prompt + list(seq)
-        logits = target(torch.tensor(ids), [(slot, len(ids))], cache).logits
-        probs = probs_from_logits(logits[len(prompt) - 1:len(ids) - 1], params)
-        exact[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
-    assert not [s for s, p in exact.items() if p == 0 and counts.get(s)]
-    cells = [s for s, p in exact.items() if p > 0]
-    obs = np.array([counts.get(s, 0) for s in cells], float)
-    e = np.array([exact[s] for s in cells])
-    assert chisquare(obs, e / e.sum() * obs.sum()).pvalue > 1e-3
+    assert chi2_pvalue(counts, exact_law(target, prompt, n_new, params, 5)) > 1e-3
 
 
 def test_ngram_lookup_prefers_longest_most_recent_match():

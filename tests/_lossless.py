@@ -1,0 +1,34 @@
+"""Shared statistics for the lossless tests: the target's exact law over short continuations and
+a chi-square goodness-of-fit p-value against it."""
+
+import itertools
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from dspark.sampling import probs_from_logits
+
+
+def exact_law(target, prompt, n_new, params, vocab):
+    """{continuation: probability} of every ``n_new``-token continuation under the target."""
+    cache = target.new_cache(1, len(prompt) + n_new + 1)
+    slot = cache.allocate()
+    law = {}
+    for seq in itertools.product(range(vocab), repeat=n_new):
+        cache.truncate(slot, 0)
+        ids = prompt + list(seq)
+        logits = target(torch.tensor(ids), [(slot, len(ids))], cache).logits
+        probs = probs_from_logits(logits[len(prompt) - 1:len(ids) - 1], params)
+        law[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
+    return law
+
+
+def chi2_pvalue(counts, law):
+    """Goodness of fit of observed ``counts`` to ``law``; sequences of probability 0 must not occur."""
+    impossible = [s for s, p in law.items() if p == 0 and counts.get(s)]
+    assert not impossible, f"emitted sequences the target can never produce: {impossible[:3]}"
+    cells = [s for s, p in law.items() if p > 0]
+    obs = np.array([counts.get(s, 0) for s in cells], float)
+    exp = np.array([law[s] for s in cells])
+    return chisquare(obs, exp / exp.sum() * obs.sum()).pvalue
