@@ -33,6 +33,26 @@ def _float(s: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
 
 
+def _int_list(minimum: int):
+    """argparse type: a comma list of integers, each >= minimum."""
+    def parse(s: str) -> list[int]:
+        try:
+            vals = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
+        if not vals or any(v < minimum for v in vals):
+            raise argparse.ArgumentTypeError(f"values must be integers >= {minimum}, got {s!r}")
+        return vals
+    return parse
+
+
+def _non_negative_int(s: str) -> int:
+    v = _int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="bundled model name, Hugging Face model folder or .gguf file "
@@ -71,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="measure engine step costs on this machine (the cost table)")
     pr.add_argument("--drafter", default="ngram")
-    pr.add_argument("--requests", default="1,2,4,8,16,32", help="numbers of concurrent requests")
-    pr.add_argument("--verified", default="0,1,2,3,5,7", help="draft tokens verified per request")
-    pr.add_argument("--contexts", default="128,512", help="context lengths")
+    pr.add_argument("--requests", type=_int_list(1), default="1,2,4,8,16,32",
+                    help="numbers of concurrent requests")
+    pr.add_argument("--verified", type=_int_list(0), default="0,1,2,3,5,7",
+                    help="draft tokens verified per request")
+    pr.add_argument("--contexts", type=_int_list(1), default="128,512", help="context lengths")
     pr.add_argument("--repeats", type=_positive_int, default=5)
     pr.add_argument("--output", default=None, help="where to write the table (default: the user cache, "
                                                    "where the engine looks for it)")
@@ -98,10 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--markdown", default=None, help="also write the table to this file")
 
     c = bsub.add_parser("concurrency", help="closed-loop clients through the engine, per policy")
-    c.add_argument("--concurrency", default="1,2,4,8,16,32")
+    c.add_argument("--concurrency", type=_int_list(1), default="1,2,4,8,16,32")
     c.add_argument("--policies", default="plain,mtp1,fixed",
                    help="comma list of plain, mtp1, fixed; NAME-padded runs NAME on a padded layout")
-    c.add_argument("--block", type=_int, default=7, help="block of the fixed policy (drafted tokens)")
+    c.add_argument("--block", type=_non_negative_int, default=7,
+                   help="block of the fixed policy (drafted tokens)")
     c.add_argument("--drafter", default="ngram")
     c.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
     c.add_argument("--num-prompts", type=_positive_int, default=32)
@@ -187,13 +210,9 @@ def cmd_generate(args) -> int:
 def cmd_profile(args) -> int:
     from .data import load_prompts
     from .drafters import load_drafter
-    from .evaluation.concurrency import _int_list
-    from .runtime.loading import load_target
     from .evaluation import profile as prof
+    from .runtime.loading import load_target
 
-    requests = _int_list(args.requests, "--requests")
-    verified = sorted(set(_int_list(args.verified, "--verified", minimum=0)))
-    contexts = _int_list(args.contexts, "--contexts")
     _setup_torch(args)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = load_drafter(args.drafter, target)
@@ -202,7 +221,8 @@ def cmd_profile(args) -> int:
 
     def progress(ctx, r, v, sec):
         print(f"context {ctx:>5}  requests {r:>3}  verified {v}: {1e3 * sec:.1f} ms/step", file=sys.stderr)
-    table = prof.profile(target, drafter, prompts, requests, verified, contexts, args.repeats, progress)
+    table = prof.profile(target, drafter, prompts, args.requests, sorted(set(args.verified)), args.contexts,
+                         args.repeats, progress)
     path = table.save(args.output)
     print(f"cost table written to {path}", file=sys.stderr)
     if args.plot:

@@ -212,10 +212,9 @@ class Engine:
         if active:
             got = self.drafter.propose([decode[i].ctx for i in active])
             for i, p in zip(active, got):
-                proposals[i] = p.truncate(decode[i].ctx.num_draft) if len(p) > decode[i].ctx.num_draft else p
+                proposals[i] = p.truncate(decode[i].ctx.num_draft)
         lengths = self.policy.verify_lengths(decode, proposals)
-        return [p.truncate(max(0, min(n, len(p)))) if n < len(p) else p
-                for p, n in zip(proposals, lengths)]
+        return [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
 
     def _emit(self, r: Request, tokens: list[int]) -> bool:
         """Append emitted tokens (cut at a stop token or the length limit); True if r ended."""

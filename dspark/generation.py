@@ -27,6 +27,5 @@ def generate_ids(target: Decoder, prompt_ids: list[int], params: SamplingParams,
     engine = Engine(target, drafter, FixedPolicy(k), max_requests=1, block_size=k,
                     max_len=len(prompt_ids) + max_new_tokens + k + 1, eos_ids=eos_ids)
     req = engine.add_request(prompt_ids, params, max_new_tokens, on_tokens=stream)
-    req.stats.accepted_per_position = [0] * k
     engine.run()
     return req.output_ids, req.stats

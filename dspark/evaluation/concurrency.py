@@ -15,24 +15,14 @@ import time
 
 import torch
 
+from ..api import encode_prompt
 from ..data import load_prompts
 from ..drafters import load_drafter
 from ..engine import Engine
-from ..errors import UsageError
 from ..runtime.loading import load_target
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
-from ..scheduling.sps import CostTable, table_key
-
-
-def _int_list(text: str, what: str, minimum: int = 1) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{what}: expected a comma list of integers, got {text!r}") from None
-    if not vals or any(v < minimum for v in vals):
-        raise UsageError(f"{what}: values must be >= {minimum}")
-    return vals
+from ..scheduling.sps import CostTable, table_key_for
 
 
 def _policy(name: str, block: int):
@@ -73,7 +63,7 @@ def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurren
 
 
 def run_concurrency_bench(args) -> int:
-    levels = _int_list(args.concurrency, "--concurrency")
+    levels = args.concurrency
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         _policy(p, args.block)  # validate names before loading anything
@@ -81,21 +71,14 @@ def run_concurrency_bench(args) -> int:
     drafter = load_drafter(args.drafter, target, block_size=args.block)
     block = args.block or drafter.block_size
     # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
-    cost_table = CostTable.find(table_key(target.name, drafter.name,
-                                          str(target.model.dtype).replace("torch.", ""),
-                                          str(target.model.device)))
-    tok = target.tokenizer
+    cost_table = CostTable.find(table_key_for(target, drafter))
     texts = []
     for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
         texts.extend(load_prompts(d))
     if args.num_prompts > len(texts):
         texts = (texts * (args.num_prompts // len(texts) + 1))
     texts = texts[:args.num_prompts]
-    prompts = []
-    for t in texts:
-        chat = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=False)
-        prompts.append(tok(chat, add_special_tokens=False)["input_ids"])
+    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     results = []
     for c in levels:

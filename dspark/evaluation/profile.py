@@ -12,7 +12,7 @@ from ..drafters.base import Drafter, Proposal
 from ..engine import Engine
 from ..sampling import SamplingParams
 from ..scheduling.policies import FixedPolicy
-from ..scheduling.sps import CostTable, table_key
+from ..scheduling.sps import CostTable, table_key_for
 
 
 class _ExactLength(Drafter):
@@ -83,9 +83,7 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
                 engine.cancel(r)
             per_ctx.append(row)
         grid.append(per_ctx)
-    key = table_key(target.name, drafter.name, str(target.model.dtype).replace("torch.", ""),
-                    str(target.model.device))
-    return CostTable(key, list(requests), list(verified), list(contexts), grid,
+    return CostTable(table_key_for(target, drafter), list(requests), list(verified), list(contexts), grid,
                      machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..api import encode_prompt
 from ..data import load_prompts
 from ..drafters import NgramDrafter, PlainDrafter
 from ..errors import UsageError
@@ -135,9 +136,7 @@ def run_speed_bench(args) -> int:
     prompts = []
     for d in datasets:
         for p in load_prompts(d, args.num_prompts):
-            text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False)
-            prompts.append((d, tok(text, add_special_tokens=False)["input_ids"]))
+            prompts.append((d, encode_prompt(tok, p, chat=True)))
 
     runners = {}
     skipped = {}

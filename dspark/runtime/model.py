@@ -82,8 +82,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
 
     Decoding and verification multiply a few rows by large weights: the cost is reading the
     weights. On CPUs, bf16 one row streams them fastest as a matrix-vector product, and a few
-    rows as ``w @ x.T`` (measured 1.2-1.3x faster than a small-M GEMM ``x @ w.T`` here; see
-    README, Benchmarks). fp32 and other devices use the ordinary linear.
+    rows as ``w @ x.T`` (faster than a small-M GEMM ``x @ w.T`` in microbenchmarks on this
+    project's 2-core Xeon). fp32 and other devices use the ordinary linear.
     """
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         if x.shape[0] == 1:

@@ -27,6 +27,12 @@ def table_key(target_name: str, drafter_name: str, dtype: str, device: str) -> s
     return f"{target_name}|{drafter_name}|{dtype}|{device}"
 
 
+def table_key_for(target, drafter) -> str:
+    """The key of a loaded target (runtime.loading.Target) and drafter."""
+    return table_key(target.name, drafter.name, str(target.model.dtype).replace("torch.", ""),
+                     str(target.model.device))
+
+
 def table_path(key: str) -> Path:
     h = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "profiles" / f"{h}.json"
