@@ -53,6 +53,7 @@ class Request:
     generator: torch.Generator | None = None
     ctx: DraftContext | None = None
     t_start: float = 0.0
+    prompt_features: list = field(default_factory=list)   # target features of prefilled chunks
 
     @property
     def done(self) -> bool:
@@ -144,9 +145,10 @@ class Engine:
         segments: list[tuple[int, int]] = []
         rows: list[int] = []
         width = max((len(p) for p in proposals), default=0)
-        seg_len = []
+        seg_len, seg_start = [], []
         for r, p in zip(decode, proposals):
             n = len(p) + 1
+            seg_start.append(len(ids))
             rows.extend(range(len(ids), len(ids) + n))
             ids.append(r.ctx.tokens[-1])
             ids.extend(p.tokens.tolist())
@@ -156,11 +158,12 @@ class Engine:
             segments.append((r.slot, n))
             seg_len.append(n)
         budget = max(self.prefill_chunk, 1)
-        completing = []
+        completing, chunks = [], []
         for r in prefill:
             if budget <= 0:
                 break
             n = min(budget, len(r.prompt_ids) - r.prefilled)
+            chunks.append((r, len(ids), n))
             ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
             segments.append((r.slot, n))
             r.prefilled += n
@@ -168,16 +171,24 @@ class Engine:
             if r.prefilled == len(r.prompt_ids):
                 rows.append(len(ids) - 1)
                 completing.append(r)
-        out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache,
+        wanted = self.drafter.feature_layers
+        out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache, feature_layers=wanted,
                           logits_rows=torch.tensor(rows, dtype=torch.long) if rows else None)
+        feats = None
+        if wanted:   # hand the drafter the target features of every verified position
+            feats = out.features[0] if len(wanted) == 1 else torch.cat(out.features, -1)
+            for r, start, n in chunks:
+                r.prompt_features.append(feats[start:start + n])
         ended = []
         at = 0
-        for r, p, sent in zip(decode, proposals, seg_len):
+        for r, p, sent, start in zip(decode, proposals, seg_len, seg_start):
             l = len(p)
             logits = out.logits[at:at + l + 1]
             at += l + 1
             n, nxt = verify(p.tokens, p.probs, logits, r.params, r.generator)
             self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
+            if feats is not None:
+                r.ctx.features.append(feats[start:start + n + 1])
             s = r.stats
             s.num_rounds += 1
             if l:
@@ -194,7 +205,7 @@ class Engine:
             first, _ = sample_from_logits(out.logits[at], r.params, r.generator)
             at += 1
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
-            r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0)
+            r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features)
             if self._emit(r, [int(first)]):
                 ended.append(r)
         return ended

@@ -13,7 +13,32 @@ from .ngram import NgramDrafter
 __all__ = ["DraftContext", "Drafter", "PlainDrafter", "Proposal", "NgramDrafter", "DraftLMDrafter",
            "load_drafter", "DRAFTER_NAMES"]
 
-DRAFTER_NAMES = ("plain", "ngram", "cut[:N]")
+DRAFTER_NAMES = ("plain", "ngram", "cut[:N]", "dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
+TRAINED_NAMES = ("dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def trained_drafter_dirs(target_name: str, name: str) -> list[Path]:
+    """Where a trained drafter called ``name`` for ``target_name`` may live: the checkpoints that
+    ship in the package, then the user's cache (where `dspark train --name` puts rebuilt ones)."""
+    from ..runtime.loading import cache_dir
+    return [CHECKPOINTS / target_name / name, cache_dir() / "drafters" / target_name / name]
+
+
+def load_trained(folder: Path, target, *, block_size: int | None = None, name: str | None = None) -> Drafter:
+    from .config import DrafterConfig
+    from .dspark import DSparkDrafter, DSparkModel
+    cfg = DrafterConfig.load(folder)
+    tc = target.model.config
+    if cfg.vocab_size != tc.vocab_size or cfg.target_hidden_size != tc.hidden_size or \
+            max(cfg.target_layer_ids) >= tc.num_layers:
+        raise UsageError(f"drafter {folder} was trained for {cfg.target or 'another target'} "
+                         f"(vocab {cfg.vocab_size}, hidden {cfg.target_hidden_size}); the target is "
+                         f"{target.name} (vocab {tc.vocab_size}, hidden {tc.hidden_size})")
+    if cfg.kind == "eagle3":
+        from .eagle3 import Eagle3Drafter, Eagle3Model
+        return Eagle3Drafter(Eagle3Model.load(folder), target.model, name=name, block_size=block_size)
+    return DSparkDrafter(DSparkModel.load(folder), target.model, name=name, block_size=block_size)
 
 
 def _is_trained_drafter(path: Path) -> bool:
@@ -52,13 +77,18 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
             raise UsageError(f"drafter {name!r}: N must be in [1, {total - 1}]")
         return DraftLMDrafter(target.model.truncated(n), block_size=block_size or 4, name=f"cut:{n}")
     from ..runtime.loading import BUNDLED, ALIASES, load_target
+    if low in TRAINED_NAMES:
+        for folder in trained_drafter_dirs(target.name, low):
+            if (folder / "config.json").is_file():
+                return load_trained(folder, target, block_size=block_size, name=low)
+        raise UsageError(f"no trained {low!r} drafter for {target.name}: train it with "
+                         f"`dspark train --recipe {low}` (see README), or pass a drafter folder")
     path = Path(name).expanduser()
     if low not in BUNDLED and low not in ALIASES and not path.exists():
         raise UsageError(f"unknown drafter {name!r}: use one of {', '.join(DRAFTER_NAMES)}, "
                          "a trained drafter folder, or a draft LM (bundled name, folder or .gguf)")
     if path.is_dir() and _is_trained_drafter(path):
-        raise UsageError(f"{name!r} is a trained drafter checkpoint; this version serves "
-                         "plain, ngram and draft-LM drafters only")
+        return load_trained(path, target, block_size=block_size)
     draft = load_target(name, dtype=dtype or target.model.dtype, device=str(target.model.device))
     _check_same_vocab(draft, target, name)
     return DraftLMDrafter(draft.model, block_size=block_size or 4, name=draft.name)

@@ -1,0 +1,80 @@
+"""Training losses (SPEC section 5), all computed in fp32.
+
+DSpark:  L = 0.1 CE(ground truth) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(c, c*),  c* = 1 - 0.5 ||p_d - p_t||_1
+         (detached), every term weighted by w_k = exp(-(k-1)/4) and normalised by the sum of the
+         weights of the supervised positions.
+DFlash:  the CE term alone, same weights.
+EAGLE-3: soft cross-entropy against p_t at each unrolled step, weight 0.8^step.
+
+p_d lives on the draft vocabulary; p_t on the full one. ||p_d - p_t||_1 = sum over the draft
+vocabulary of |p_d - p_t| plus the target's mass outside it (where p_d is 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def target_probs(hidden: torch.Tensor, lm_head: torch.Tensor, draft_vocab: torch.Tensor,
+                 softcap: float | None = None, chunk: int = 256):
+    """p_t from last hidden states [P, d] with the frozen LM head [V, d]:
+    (probabilities on the draft vocabulary [P, Vd] fp32, mass outside it [P])."""
+    full_draft = draft_vocab.numel() == lm_head.shape[0]
+    inside, outside = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        logits = (hidden[s:s + chunk].to(lm_head.dtype) @ lm_head.T).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        p = logits.softmax(-1)
+        q = p if full_draft else p[:, draft_vocab]
+        inside.append(q)
+        outside.append((1.0 - q.sum(-1)).clamp_min(0.0))
+    if not inside:
+        return hidden.new_zeros(0, draft_vocab.numel(), dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(inside), torch.cat(outside)
+
+
+def drafter_loss(logits: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, gt: torch.Tensor,
+                 pt: torch.Tensor | None = None, pt_out: torch.Tensor | None = None,
+                 conf_logits: torch.Tensor | None = None, ce_weight: float = 0.1, l1_weight: float = 0.9,
+                 bce_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """Loss over N supervised block positions.
+
+    logits [N, Vd] draft logits; positions [N] block index k (0-based); weights [gamma] per position;
+    gt [N] ground-truth draft index (Vd = outside the draft vocabulary: no CE term there);
+    pt / pt_out: target probabilities on the draft vocabulary and the mass outside (None: CE only,
+    the DFlash loss); conf_logits [N] or None. Returns (loss, detached terms for logging).
+    """
+    logp = logits.float().log_softmax(-1)
+    w = weights.to(logp.device)[positions]
+    wsum = w.sum().clamp_min(1e-12)
+    vd = logits.shape[-1]
+    inv = gt < vd
+    ce = torch.zeros_like(w)
+    ce[inv] = -logp[inv].gather(-1, gt[inv, None]).squeeze(-1)
+    terms = {"ce": (w * ce).sum() / wsum}
+    if pt is None:
+        loss = terms["ce"]
+        terms = {k: v.detach() for k, v in terms.items()}
+        terms["loss"] = loss.detach()
+        return loss, terms
+    l1 = (logp.exp() - pt).abs().sum(-1) + pt_out
+    terms["l1"] = (w * l1).sum() / wsum
+    accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+    terms["accept"] = (w * accept).sum() / wsum
+    loss = ce_weight * terms["ce"] + l1_weight * terms["l1"]
+    if conf_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
+        terms["bce"] = (w * bce).sum() / wsum
+        loss = loss + bce_weight * terms["bce"]
+    terms = {k: v.detach() for k, v in terms.items()}
+    terms["loss"] = loss.detach()
+    return loss, terms
+
+
+def soft_ce(logits: torch.Tensor, pt: torch.Tensor, pt_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row soft cross-entropy -sum_v p_t(v) log p_d(v) on the draft vocabulary [N]
+    (the target mass outside it cannot be matched and is left out)."""
+    return -(pt * logits.float().log_softmax(-1)).sum(-1)

