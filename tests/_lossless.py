@@ -24,11 +24,18 @@ def exact_law(target, prompt, n_new, params, vocab):
     return law
 
 
-def chi2_pvalue(counts, law):
-    """Goodness of fit of observed ``counts`` to ``law``; sequences of probability 0 must not occur."""
+def chi2_pvalue(counts, law, min_expected: float = 5.0):
+    """Goodness of fit of observed ``counts`` to ``law``; sequences of probability 0 must not occur.
+    Cells expected fewer than ``min_expected`` times are pooled into one (the chi-square
+    approximation needs it)."""
     impossible = [s for s, p in law.items() if p == 0 and counts.get(s)]
     assert not impossible, f"emitted sequences the target can never produce: {impossible[:3]}"
     cells = [s for s, p in law.items() if p > 0]
     obs = np.array([counts.get(s, 0) for s in cells], float)
     exp = np.array([law[s] for s in cells])
-    return chisquare(obs, exp / exp.sum() * obs.sum()).pvalue
+    exp = exp / exp.sum() * obs.sum()
+    small = exp < min_expected
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    return chisquare(obs, exp).pvalue

@@ -99,3 +99,37 @@ def test_damaged_cache_copy_is_rebuilt(tmp_path, monkeypatch):
     model, tok = loading.load_hf(gguf)
     assert model.config.num_hidden_layers == 30
     shutil.rmtree(tmp_path)
+
+
+def test_eval_json_has_tau_and_per_position_acceptance(target_fp32):
+    code, out, err = _run(["eval", "--drafters", "ngram,cut:20", "--dataset", "gsm8k", "humaneval",
+                           "--num-prompts", "2", "--max-new-tokens", "24", "--temperature", "0",
+                           "--block", "3", "--dtype", "fp32", "--json"])
+    assert code == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    rows = res["results"]
+    assert {(r["drafter"], r["benchmark"]) for r in rows} == {
+        (d, b) for d in ("ngram", "cut:20") for b in ("gsm8k", "humaneval")}
+    for r in rows:
+        assert r["tau"] >= 1.0
+        assert len(r["acceptance_conditional"]) == len(r["acceptance_unconditional"]) == 3
+        u = r["acceptance_unconditional"]
+        assert all(0 <= x <= 1 for x in u) and u == sorted(u, reverse=True)   # prefix survival decays
+    assert res["greedy_identity_vs_ngram"]["cut:20"] == 1.0    # greedy: every drafter, the same text
+    assert {c["drafter"] for c in res["ratios"]} == {"ngram", "cut:20"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--recipe", "nope"], "invalid choice"),
+    (["train", "--cache", "/nonexistent/cache"], "not a dspark cache"),
+    (["train", "--lr", "abc"], "expected a number"),
+    (["cache", "--input", "/nonexistent/regen.jsonl"], "not found"),
+    (["regenerate", "--prompts", "/nonexistent/p.jsonl", "--output", "/tmp/x.jsonl"], "not found"),
+    (["eval", "--drafters", "eagle3", "--dataset", "gsm8k"], "dspark train --recipe eagle3"),
+    (["eval", "--drafters", "ngram", "--dataset", "/nonexistent.jsonl"], "nonexistent"),
+    (["prepare", "--mix", "chat=x"], "--mix"),
+])
+def test_training_commands_bad_input_exit_2(args, needle, tmp_path):
+    code, out, err = _run(args, env={"DSPARK_CACHE": str(tmp_path / "cache")} if args[0] == "eval" else None)
+    assert code == 2, (code, err)
+    assert needle in err

@@ -275,7 +275,7 @@ class DSparkDrafter(Drafter):
                 t = int(p.argmax()) if c.params.greedy else int(sample(p, c.generator))
                 toks[i, k] = t
                 probs[i, k, vocab] = p
-            prev = toks[:, k]
+            prev = toks[:, k].clone()
             toks[:, k] = vocab[toks[:, k]]
         for i, c in enumerate(active):
             n = min(c.num_draft, steps)

@@ -25,10 +25,10 @@ from ..scheduling.policies import make_policy
 from ..scheduling.sps import CostTable, table_key_for
 
 
-def _policy(name: str, block: int):
+def _policy(name: str, block: int, cost_table=None):
     """A policy name, optionally with "-padded": the same policy on a padded (dense) layout."""
     padded = name.endswith("-padded")
-    return make_policy(name[:-len("-padded")] if padded else name, block), padded
+    return make_policy(name[:-len("-padded")] if padded else name, block, cost_table=cost_table), padded
 
 
 def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
@@ -83,7 +83,7 @@ def run_concurrency_bench(args) -> int:
     results = []
     for c in levels:
         for name in policies:
-            policy, padded = _policy(name, block)
+            policy, padded = _policy(name, block, cost_table)
             res = run_closed_loop(target, drafter, policy, prompts, c, args.max_new_tokens, params,
                                   block, padded=padded, label=name, cost_table=cost_table)
             results.append(res)

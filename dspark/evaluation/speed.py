@@ -19,7 +19,7 @@ import torch
 
 from ..api import encode_prompt
 from ..data import load_prompts
-from ..drafters import NgramDrafter, PlainDrafter
+from ..drafters import NgramDrafter, PlainDrafter, load_drafter
 from ..errors import UsageError
 from ..generation import generate_ids
 from ..runtime.loading import load_hf, load_target
@@ -27,10 +27,12 @@ from ..sampling import SamplingParams
 
 ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-hf-rule", "llama.cpp-plain",
                "llama.cpp-prompt-lookup")
+# trained drafters run on our engine too when named (not in the default set: they need a checkpoint)
+TRAINED_SYSTEMS = ("dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
 # ngram-hf-rule: our engine with HF's lookup rule (earliest match of a 2-gram, else 1-gram, 10
 # tokens), to compare lookup rules on the same text
 BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule": "plain",
-               "llama.cpp-prompt-lookup": "llama.cpp-plain"}
+               "llama.cpp-prompt-lookup": "llama.cpp-plain", **{t: "plain" for t in TRAINED_SYSTEMS}}
 
 
 @dataclass
@@ -59,7 +61,7 @@ class _Counter:
         self.n += 1
 
 
-def _hf_system(path, eos, max_new, lookup: int | None):
+def _hf_system(path, eos, max_new, lookup: int | None, temperature: float = 0.0, seed: int = 0):
     hf, _ = load_hf(path, torch.bfloat16)
     counter = _Counter()
     hf.register_forward_pre_hook(counter)
@@ -67,8 +69,11 @@ def _hf_system(path, eos, max_new, lookup: int | None):
     def run(ids):
         counter.n = 0
         inp = torch.tensor([ids])
-        kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=list(eos),
+        kwargs = dict(max_new_tokens=max_new, do_sample=temperature > 0, eos_token_id=list(eos),
                       pad_token_id=eos[0], attention_mask=torch.ones_like(inp))
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
         if lookup:
             kwargs["prompt_lookup_num_tokens"] = lookup
         with torch.inference_mode():
@@ -80,10 +85,9 @@ def _hf_system(path, eos, max_new, lookup: int | None):
     return run
 
 
-def _ours_system(target, drafter, max_new, eos):
-    params = SamplingParams(temperature=0)
-
+def _ours_system(target, drafter, max_new, eos, temperature: float = 0.0, seed: int = 0):
     def run(ids):
+        params = SamplingParams(temperature=temperature, seed=seed)
         new, stats = generate_ids(target.model, ids, params, max_new, drafter, eos_ids=eos)
         return new, stats.seconds, stats.num_rounds
     return run
@@ -126,9 +130,10 @@ def _llama_cpp_system(gguf_path, eos, max_new, lookup: int | None):
 def run_speed_bench(args) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     systems = list(ALL_SYSTEMS) if not args.systems else [s.strip() for s in args.systems.split(",")]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS + TRAINED_SYSTEMS]
     if unknown:
-        raise UsageError(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
+        raise UsageError(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS + TRAINED_SYSTEMS)}")
+    temp, seed = args.temperature, args.seed
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     tok = target.tokenizer
     eos = target.eos_token_ids
@@ -142,14 +147,17 @@ def run_speed_bench(args) -> int:
     skipped = {}
     for s in systems:
         if s.startswith("hf-"):
-            runners[s] = _hf_system(target.path, eos, max_new, 10 if s == "hf-prompt-lookup" else None)
+            runners[s] = _hf_system(target.path, eos, max_new, 10 if s == "hf-prompt-lookup" else None, temp, seed)
         elif s == "plain":
-            runners[s] = _ours_system(target, PlainDrafter(), max_new, eos)
+            runners[s] = _ours_system(target, PlainDrafter(), max_new, eos, temp, seed)
         elif s == "ngram":
-            runners[s] = _ours_system(target, NgramDrafter(block_size=args.num_draft or 10), max_new, eos)
+            runners[s] = _ours_system(target, NgramDrafter(block_size=args.num_draft or 10), max_new, eos, temp, seed)
         elif s == "ngram-hf-rule":
             hf_rule = NgramDrafter(block_size=10, max_ngram=2, weak_match_tokens=10, rule="first")
-            runners[s] = _ours_system(target, hf_rule, max_new, eos)
+            runners[s] = _ours_system(target, hf_rule, max_new, eos, temp, seed)
+        elif s in TRAINED_SYSTEMS:
+            runners[s] = _ours_system(target, load_drafter(s, target, block_size=args.num_draft), max_new, eos,
+                                      temp, seed)
         else:
             if not target.path.is_file():
                 skipped[s] = "llama.cpp needs a GGUF target"
@@ -198,7 +206,7 @@ def _report(results, datasets, args, skipped) -> dict:
     for s, r in results.items():
         base = results.get(BASELINE_OF.get(s, s))
         identical = None
-        if base is not None and base is not r:
+        if base is not None and base is not r and args.temperature == 0:
             identical = sum(a == b for a, b in zip(r.outputs, base.outputs)) / len(r.outputs)
         rows.append({
             "system": s,
@@ -217,7 +225,7 @@ def _report(results, datasets, args, skipped) -> dict:
                    f"torch {torch.__version__}",
         "cpu": _cpu_name(),
         "datasets": datasets, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype, "skipped": skipped, "results": rows,
+        "dtype": args.dtype, "temperature": args.temperature, "skipped": skipped, "results": rows,
     }
 
 

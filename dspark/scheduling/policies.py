@@ -54,7 +54,12 @@ class MTP1Policy(FixedPolicy):
         super().__init__(1)
 
 
-def make_policy(name: str, block: int | None = None) -> Policy:
+POLICY_NAMES = ("plain", "mtp1", "fixed", "threshold", "ema", "prefix", "async")
+
+
+def make_policy(name: str, block: int | None = None, *, cost_table=None, threshold: float = 0.5,
+                ema_alpha: float = 0.3) -> Policy:
+    """A policy by name; ``threshold-X`` sets the threshold inline (e.g. threshold-0.7)."""
     name = name.strip().lower()
     if name == "plain":
         return PlainPolicy()
@@ -62,4 +67,18 @@ def make_policy(name: str, block: int | None = None) -> Policy:
         return FixedPolicy(block)
     if name == "mtp1":
         return MTP1Policy()
-    raise UsageError(f"unknown policy {name!r}; choose plain, mtp1 or fixed")
+    from . import confidence
+    if name == "threshold" or name.startswith("threshold-"):
+        if name != "threshold":
+            try:
+                threshold = float(name.split("-", 1)[1])
+            except ValueError:
+                raise UsageError(f"policy {name!r}: expected threshold-X with X a number") from None
+        return confidence.ThresholdPolicy(threshold, block)
+    if name == "ema":
+        return confidence.EMAPolicy(ema_alpha, block)
+    if name == "prefix":
+        return confidence.PrefixPolicy(cost_table, block)
+    if name == "async":
+        return confidence.AsyncPolicy(cost_table, block)
+    raise UsageError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

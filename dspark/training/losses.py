@@ -74,7 +74,17 @@ def drafter_loss(logits: torch.Tensor, positions: torch.Tensor, weights: torch.T
     return loss, terms
 
 
-def soft_ce(logits: torch.Tensor, pt: torch.Tensor, pt_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row soft cross-entropy -sum_v p_t(v) log p_d(v) on the draft vocabulary [N]
-    (the target mass outside it cannot be matched and is left out)."""
-    return -(pt * logits.float().log_softmax(-1)).sum(-1)
+def eagle3_loss(logits: torch.Tensor, steps: torch.Tensor, pt: torch.Tensor, pt_out: torch.Tensor,
+                decay: float = 0.8) -> tuple[torch.Tensor, dict]:
+    """Training-time-test loss: soft cross-entropy -sum_v p_t(v) log p_d(v) on the draft vocabulary
+    (the target mass outside it cannot be matched), step s weighted decay^s, normalised."""
+    logp = logits.float().log_softmax(-1)
+    w = decay ** steps.float()
+    wsum = w.sum().clamp_min(1e-12)
+    ce = -(pt * logp).sum(-1)
+    loss = (w * ce).sum() / wsum
+    with torch.no_grad():
+        l1 = (logp.exp() - pt).abs().sum(-1) + pt_out
+        accept = (w * (1.0 - 0.5 * l1).clamp(0, 1)).sum() / wsum
+    return loss, {"loss": loss.detach(), "ce": loss.detach(), "l1": ((w * l1).sum() / wsum).detach(),
+                  "accept": accept}

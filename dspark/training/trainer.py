@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from ..drafters.config import DrafterConfig, position_weights
 from ..drafters.dspark import DSparkModel
 from ..errors import DsparkError, UsageError
-from .losses import drafter_loss, target_probs
+from .losses import drafter_loss, eagle3_loss, target_probs
 
 
 @dataclass
@@ -46,7 +47,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
-    save_every: int = 25
+    save_every: int = 10
     log_every: int = 5
     loss_decay: float = 4.0       # position weights exp(-(k-1)/decay)
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
@@ -87,6 +88,13 @@ def build_draft_vocab(source, size: int, vocab_size: int, always=()) -> torch.Te
     return torch.tensor(sorted(order))
 
 
+def model_class(kind: str):
+    if kind == "eagle3":
+        from ..drafters.eagle3 import Eagle3Model
+        return Eagle3Model
+    return DSparkModel
+
+
 def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch.Tensor, kind: str):
     """Loss of one sequence's packed blocks (teacher forcing)."""
     c = model.config
@@ -102,12 +110,14 @@ def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch
     ks = k.expand_as(pos).reshape(-1)[rows]
     gt = model.t2d[seq.ids[tgt.clamp(max=L - 1)].reshape(-1)[rows]]
     pt = pt_out = None
-    if kind == "dspark":
+    if kind in ("dspark", "eagle3"):
         need = pos.reshape(-1)[rows]
         uniq, inverse = torch.unique(need, return_inverse=True)
         pu, ou = target_probs(seq.hidden[uniq], model.target_lm_head, model.draft_vocab, c.final_logit_softcap)
         pt, pt_out = pu[inverse], ou[inverse]
     cl = conf.reshape(-1)[rows] if conf is not None else None
+    if kind == "eagle3":
+        return eagle3_loss(flat_logits, ks, pt, pt_out)
     return drafter_loss(flat_logits, ks, weights, gt, pt, pt_out, cl)
 
 
@@ -163,6 +173,8 @@ def _dist():
 def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
           draft_vocab: torch.Tensor | None = None, progress: bool = True, log=print) -> dict:
     tcfg = tcfg or TrainConfig()
+    # autocast leaves RMSNorm in fp32 weights over bf16 inputs; torch warns once per shape
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     rank, world = _dist()
     out = Path(out_dir)
     ckpt = out / "checkpoint"
@@ -175,10 +187,13 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
         raise UsageError(f"the cache holds layers {source.feature_layers}, the drafter wants "
                          f"{drafter_config.target_layer_ids}")
     torch.manual_seed(tcfg.seed)
+    old = out / "checkpoint.old"
+    if old.exists() and not ckpt.exists():     # killed between the two renames of a save
+        old.rename(ckpt)
     if ckpt.exists():
         drafter_config = DrafterConfig.load(ckpt)
         draft_vocab = load_file(str(ckpt / "model.safetensors"))["draft_vocab"]
-    model = DSparkModel(drafter_config, draft_vocab)
+    model = model_class(drafter_config.kind)(drafter_config, draft_vocab)
     model.attach(target.model.embed, target.model.lm_head, init_mask=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))

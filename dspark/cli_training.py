@@ -1,0 +1,238 @@
+"""The training-path commands of the ``dspark`` CLI: prepare -> regenerate -> cache -> train -> eval.
+
+Each command reads what the previous one wrote; the defaults chain through one work folder
+(``--work``, default ``<user cache>/work/<target>``), so the whole pipeline is::
+
+    dspark prepare && dspark regenerate && dspark cache && dspark train --recipe dspark
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+RECIPES = {   # name -> drafter settings; every recipe shares the data, token counts and steps
+    "dspark": {"kind": "dspark", "num_hidden_layers": 2, "markov_head_type": "vanilla"},
+    "dspark-rnn": {"kind": "dspark", "num_hidden_layers": 2, "markov_head_type": "rnn"},
+    "dspark-gated": {"kind": "dspark", "num_hidden_layers": 2, "markov_head_type": "gated"},
+    "dflash": {"kind": "dflash", "num_hidden_layers": 2},
+    "dflash-5": {"kind": "dflash", "num_hidden_layers": 5},
+    "eagle3": {"kind": "eagle3", "num_hidden_layers": 1},
+}
+
+
+def _work_dir(args) -> Path:
+    if args.work:
+        return Path(args.work).expanduser()
+    from .runtime.loading import cache_dir, resolve_target
+    name, _ = resolve_target(args.target)
+    return cache_dir() / "work" / name
+
+
+def add_parsers(sub, h) -> None:
+    """``h`` holds the shared flag helpers of cli.py (types, model flags)."""
+    def work(p):
+        p.add_argument("--work", default=None, help="pipeline folder (default: <user cache>/work/<target>)")
+
+    p = sub.add_parser("prepare", help="build the training prompt mix (chat, code, math) and a held-out split")
+    p.add_argument("--num-prompts", type=h._positive_int, default=8000)
+    p.add_argument("--mix", default="chat=0.25,code=0.375,math=0.375")
+    p.add_argument("--heldout", type=h._float, default=0.05)
+    p.add_argument("--seed", type=h._int, default=0)
+    p.add_argument("--target", default=None)
+    work(p)
+
+    r = sub.add_parser("regenerate", help="the target writes the answers (resumable)")
+    r.add_argument("--split", default="train", choices=["train", "heldout"])
+    r.add_argument("--prompts", default=None, help="prompts JSONL (default: <work>/prompts/<split>.jsonl)")
+    r.add_argument("--output", default=None, help="answers JSONL (default: <work>/regen/<split>.jsonl)")
+    r.add_argument("--limit", type=h._positive_int, default=None, help="only the first N prompts")
+    r.add_argument("--max-new-tokens", type=h._positive_int, default=384)
+    r.add_argument("--max-prompt-tokens", type=h._positive_int, default=512)
+    r.add_argument("--concurrency", type=h._positive_int, default=32)
+    r.add_argument("--temperature", type=h._float, default=0.7)
+    r.add_argument("--top-p", type=h._float, default=0.8)
+    r.add_argument("--top-k", type=h._int, default=20)
+    r.add_argument("--seed", type=h._int, default=0)
+    r.add_argument("--endpoint", default=None, help="OpenAI-compatible base URL (e.g. http://host:8000/v1)")
+    r.add_argument("--model", default=None, help="model name at the endpoint (default: its first)")
+    h._add_model_flags(r)
+    r.set_defaults(threads=2)
+    work(r)
+
+    c = sub.add_parser("cache", help="store target features + last hidden state per token (sharded)")
+    c.add_argument("--split", default="train", choices=["train", "heldout"])
+    c.add_argument("--input", default=None, help="regenerated JSONL (default: <work>/regen/<split>.jsonl)")
+    c.add_argument("--output", default=None, help="cache folder (default: <work>/cache/<split>)")
+    c.add_argument("--layers", type=h._int_list(0), default=None,
+                   help="target layers (default: 5 spread from 1 to L-3)")
+    c.add_argument("--max-len", type=h._positive_int, default=1024)
+    c.add_argument("--shard-tokens", type=h._positive_int, default=200_000)
+    h._add_model_flags(c)
+    c.set_defaults(threads=2)
+    work(c)
+
+    t = sub.add_parser("train", help="train a drafter (resumes from <out>/checkpoint)")
+    t.add_argument("--recipe", default="dspark", choices=sorted(RECIPES))
+    t.add_argument("--cache", default=None, help="cache folder (default: <work>/cache/train)")
+    t.add_argument("--online", action="store_true",
+                   help="run the target inside training instead of reading a cache (small targets)")
+    t.add_argument("--input", default=None, help="with --online: regenerated JSONL")
+    t.add_argument("--out", default=None,
+                   help="output folder (default: <user cache>/drafters/<target>/<recipe>, "
+                        "where `--drafter <recipe>` finds it)")
+    t.add_argument("--lr", type=h._float, default=6e-4)
+    t.add_argument("--epochs", type=h._float, default=1.0)
+    t.add_argument("--batch-size", type=h._positive_int, default=16)
+    t.add_argument("--anchors", type=h._positive_int, default=128)
+    t.add_argument("--max-steps", type=h._positive_int, default=None)
+    t.add_argument("--block-size", type=h._positive_int, default=7)
+    t.add_argument("--layers", type=h._positive_int, default=None, help="drafter layers (default: the recipe's)")
+    t.add_argument("--markov-rank", type=h._positive_int, default=256)
+    t.add_argument("--draft-vocab", type=h._non_negative_int, default=8192,
+                   help="draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
+    t.add_argument("--save-every", type=h._positive_int, default=10, help="checkpoint every N steps")
+    t.add_argument("--seed", type=h._int, default=0)
+    h._add_model_flags(t)
+    t.set_defaults(threads=2)
+    work(t)
+
+    e = sub.add_parser("eval", help="accepted length tau and per-position acceptance per benchmark")
+    e.add_argument("--drafters", default="dspark,dflash", help="comma list of names or folders")
+    e.add_argument("--dataset", nargs="+", default=None,
+                   help="benchmark names (file stems) or JSONL paths (default: all 7)")
+    e.add_argument("--num-prompts", type=h._positive_int, default=16)
+    e.add_argument("--max-new-tokens", type=h._positive_int, default=256)
+    e.add_argument("--temperature", type=h._float, default=1.0)
+    e.add_argument("--seed", type=h._int, default=0)
+    e.add_argument("--block", type=h._positive_int, default=7)
+    e.add_argument("--concurrency", type=h._positive_int, default=8, help="prompts decoded at once")
+    e.add_argument("--markdown", default=None, help="write the tau table here")
+    e.add_argument("--plot", default=None, help="write the conditional-acceptance PNG here")
+    e.add_argument("--json", action="store_true")
+    h._add_model_flags(e)
+    e.set_defaults(threads=2)
+
+
+def _parse_mix(text: str) -> dict:
+    mix = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        try:
+            mix[k.strip()] = float(v)
+        except ValueError:
+            raise UsageError(f"--mix: expected name=weight pairs, got {text!r}") from None
+    return mix
+
+
+def cmd_prepare(args) -> int:
+    from .training.prompts import prepare
+    out = prepare(_work_dir(args) / "prompts", args.num_prompts, _parse_mix(args.mix), args.heldout, args.seed,
+                  log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    from .training.regenerate import regenerate
+    w = _work_dir(args)
+    out = regenerate(args.prompts or w / "prompts" / f"{args.split}.jsonl",
+                     args.output or w / "regen" / f"{args.split}.jsonl", target=args.target, dtype=args.dtype,
+                     device=args.device, endpoint=args.endpoint, model_name=args.model,
+                     max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                     concurrency=args.concurrency, temperature=args.temperature, top_p=args.top_p,
+                     top_k=args.top_k, seed=args.seed, limit=args.limit,
+                     log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from .drafters.config import default_layer_ids
+    from .runtime.loading import load_target
+    from .training.cache import build_cache
+    from .training.regenerate import read_regenerated
+    w = _work_dir(args)
+    rows = read_regenerated(args.input or w / "regen" / f"{args.split}.jsonl")
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    layers = args.layers or default_layer_ids(target.model.config.num_layers)
+    out = build_cache(rows, target, args.output or w / "cache" / args.split, layers, max_len=args.max_len,
+                      shard_tokens=args.shard_tokens, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .drafters.config import DrafterConfig, pick_mask_token
+    from .runtime.loading import cache_dir, load_target
+    from .training.trainer import TrainConfig, build_draft_vocab, train
+    w = _work_dir(args)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    tc = target.model.config
+    if args.online:
+        from .drafters.config import default_layer_ids
+        from .training.cache import OnlineSource
+        from .training.regenerate import read_regenerated
+        rows = read_regenerated(args.input or w / "regen" / "train.jsonl")
+        source = OnlineSource(rows, target, default_layer_ids(tc.num_layers))
+    else:
+        from .training.cache import CacheReader
+        source = CacheReader(args.cache or w / "cache" / "train")
+    recipe = dict(RECIPES[args.recipe])
+    if args.layers:
+        recipe["num_hidden_layers"] = args.layers
+    if recipe["kind"] == "eagle3" and recipe["num_hidden_layers"] != 1:
+        raise UsageError("the EAGLE-3-style drafter has one layer")
+    cfg = DrafterConfig(**recipe, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                        num_attention_heads=tc.num_heads, num_key_value_heads=tc.num_kv_heads,
+                        head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, block_size=args.block_size,
+                        target_layer_ids=list(source.feature_layers),
+                        mask_token_id=pick_mask_token(target.tokenizer), markov_rank=args.markov_rank,
+                        vocab_size=tc.vocab_size, target=target.name, target_hidden_size=tc.hidden_size,
+                        final_logit_softcap=tc.final_logit_softcap, embed_scale=tc.embed_scale)
+    out = Path(args.out) if args.out else cache_dir() / "drafters" / target.name / args.recipe
+    vocab = None
+    if not (out / "checkpoint").exists():
+        vocab = build_draft_vocab(source, args.draft_vocab, tc.vocab_size, always=target.eos_token_ids)
+    tcfg = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
+                       max_steps=args.max_steps, save_every=args.save_every, seed=args.seed)
+    res = train(source, cfg, out, target, tcfg, draft_vocab=vocab, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps({"out": str(out), **res}))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .drafters import load_drafter
+    from .evaluation import acceptance
+    from .runtime.loading import load_target
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if not names:
+        raise UsageError("--drafters: give at least one drafter")
+    from .data import benchmark_names
+    datasets = args.dataset or benchmark_names()
+    drafters = {n: load_drafter(n, target, block_size=args.block) for n in names}
+    out = acceptance.evaluate(target, drafters, datasets, num_prompts=args.num_prompts,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              seed=args.seed, block=args.block, concurrency=args.concurrency,
+                              log=lambda m: print(m, file=sys.stderr))
+    table = acceptance.markdown(out)
+    print(table, file=sys.stderr)
+    for c in out["ratios"]:
+        print(f"{c['drafter']} / {c['over']}: {c['ratio']:.3f} (95% CI {c['ci95'][0]:.3f}-{c['ci95'][1]:.3f})",
+              file=sys.stderr)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.plot:
+        acceptance.plot(out, args.plot)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "regenerate": cmd_regenerate, "cache": cmd_cache, "train": cmd_train,
+            "eval": cmd_eval}

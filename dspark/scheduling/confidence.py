@@ -1,0 +1,267 @@
+"""Confidence-driven verification policies (SPEC section 4): threshold, EMA, prefix (Algorithm 1)
+and asynchronous capacity.
+
+Every decision about draft token k of a request may depend only on what is known before token k
+is sampled or on tokens of OTHER requests: c_k is computed from h_k and x_{k-1}, never from x_k,
+so prefix survival a_k = c_1 ... c_k depends on x_<k. Sorting all candidates by a (ties by
+position) puts a token before any extension of it; Algorithm 1 walks that order and stops at the
+first candidate that does not raise expected throughput, so whether x_k is verified depends only
+on candidates ranked before it. A search without that stop (pick the best total afterwards) lets
+the choice for x_k depend on a_{k+1}, i.e. on x_k itself, and biases the output (Appendix A).
+
+Drafters without a confidence head get a survival profile from the acceptance they showed so far
+(per position, over the engine's recent rounds), which depends only on the past.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..errors import UsageError
+from .policies import Policy
+
+
+def _survivals(proposal, fallback: list[float]) -> list[float]:
+    """Prefix survivals a_1..a_l of one proposal."""
+    n = len(proposal)
+    conf = proposal.confidences.tolist() if proposal.confidences is not None else fallback[:n]
+    conf = conf + [fallback[-1] if fallback else 0.5] * (n - len(conf))
+    out, a = [], 1.0
+    for c in conf:
+        a *= max(0.0, min(1.0, float(c)))
+        out.append(a)
+    return out
+
+
+class _Profile:
+    """Observed conditional acceptance per position (for drafters without confidences, and for
+    requests that joined after the snapshot the async policy reads)."""
+
+    def __init__(self, block: int, prior: float = 0.5):
+        self.tries = [1.0] * max(1, block)
+        self.hits = [prior] * max(1, block)
+
+    def update(self, requests) -> None:
+        for r in requests:
+            seen = r.ctx.state.setdefault("_profile_seen", [0, []])
+            s = r.stats
+            per = list(s.accepted_per_position)
+            drafts, prev = s.num_drafts, seen[1]
+            if drafts == seen[0]:
+                continue
+            new = [per[k] - (prev[k] if k < len(prev) else 0) for k in range(len(per))]
+            lengths = r.ctx.state.get("_verified_history", [])
+            for k in range(len(new)):
+                tried = sum(1 for L in lengths if L > k)
+                if tried:
+                    self.tries[min(k, len(self.tries) - 1)] += tried
+                    self.hits[min(k, len(self.hits) - 1)] += new[k]
+            r.ctx.state["_verified_history"] = []
+            seen[0], seen[1] = drafts, per
+
+    def conditional(self) -> list[float]:
+        return [min(0.999, h / t) for h, t in zip(self.hits, self.tries)]
+
+
+def _record(requests, lengths) -> None:
+    for r, n in zip(requests, lengths):
+        if n > 0:
+            r.ctx.state.setdefault("_verified_history", []).append(n)
+
+
+class ThresholdPolicy(Policy):
+    """Verify up to (not including) the first draft token whose confidence is below a threshold."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: float = 0.5, block: int | None = None):
+        if not 0.0 <= threshold <= 1.0:
+            raise UsageError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold, self.block = threshold, block
+        self.name = f"threshold-{threshold:g}"
+
+    def draft_lengths(self, requests, block_size):
+        return [self.block or block_size] * len(requests)
+
+    def verify_lengths(self, requests, proposals):
+        out = []
+        for p in proposals:
+            n = len(p)
+            if p.confidences is not None:
+                below = [k for k, c in enumerate(p.confidences.tolist()) if c < self.threshold]
+                n = below[0] if below else n
+            out.append(n)
+        return out
+
+
+class EMAPolicy(Policy):
+    """Draft length from an exponential moving average of each request's accepted tokens per round."""
+
+    name = "ema"
+
+    def __init__(self, alpha: float = 0.3, block: int | None = None, margin: int = 1):
+        if not 0.0 < alpha <= 1.0:
+            raise UsageError(f"EMA alpha must be in (0, 1], got {alpha}")
+        self.alpha, self.block, self.margin = alpha, block, margin
+
+    def draft_lengths(self, requests, block_size):
+        cap = self.block or block_size
+        out = []
+        for r in requests:
+            st = r.ctx.state
+            s = r.stats
+            last = st.get("_ema_seen")
+            if last is not None and s.num_drafts > last[0]:
+                acc = (s.num_accepted_tokens - last[1]) / (s.num_drafts - last[0])
+                st["_ema"] = (1 - self.alpha) * st.get("_ema", acc) + self.alpha * acc
+            st["_ema_seen"] = (s.num_drafts, s.num_accepted_tokens)
+            ema = st.get("_ema", cap / 2)
+            out.append(max(1, min(cap, round(ema) + self.margin)))
+        return out
+
+
+class _CostModel:
+    """Steps per second for R requests verifying B tokens in all (anchors included)."""
+
+    def __init__(self, cost_table):
+        self.table = cost_table
+
+    def sps(self, requests: int, tokens: int, context: int) -> float:
+        if self.table is None:       # no profile: every token is free (the fixed policy's view)
+            return 1.0
+        per = max(0.0, (tokens - requests) / max(1, requests))
+        return 1.0 / self.table.step_seconds(requests, per, context)
+
+
+def _context(requests) -> int:
+    return int(sum(len(r.ctx.tokens) for r in requests) / max(1, len(requests)))
+
+
+def _sorted_candidates(survivals: list[list[float]]):
+    """(a, position, request) for every candidate with a > 0, by a descending, then position."""
+    cands = [(a, j, i) for i, row in enumerate(survivals) for j, a in enumerate(row) if a > 0]
+    cands.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return cands
+
+
+def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True) -> list[int]:
+    """Algorithm 1. ``sps(B)``: steps/s at B verified tokens. Returns lengths l_r.
+    ``early_stop=False`` is the biased full search of Appendix A (kept for the test that shows it)."""
+    R = len(survivals)
+    lengths = [0] * R
+    B, tau = R, float(R)
+    best = tau * sps(B)
+    best_lengths = list(lengths)
+    for a, j, i in _sorted_candidates(survivals):
+        if lengths[i] != j:          # cannot happen with monotone survivals; keeps prefixes whole
+            continue
+        B += 1
+        tau += a
+        theta = tau * sps(B)
+        lengths[i] = j + 1
+        if theta > best:
+            best, best_lengths = theta, list(lengths)
+        elif early_stop:
+            break
+    return best_lengths
+
+
+class PrefixPolicy(Policy):
+    """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting is shortened
+    to one more than what the request verified last step, and skipped after a run of steps where
+    nothing was worth verifying (re-probed every ``probe_every`` steps): under heavy load the
+    engine then runs plain decoding instead of paying for drafts it would not verify."""
+
+    name = "prefix"
+
+    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
+        self.cost = _CostModel(cost_table)
+        self.block = block
+        self.probe_every = probe_every
+        self.idle_steps = 0
+        self.profile = _Profile(block or 7)
+
+    def draft_lengths(self, requests, block_size):
+        cap = self.block or block_size
+        if len(self.profile.tries) < cap:
+            self.profile = _Profile(cap)
+        self.profile.update(requests)
+        if self.idle_steps and self.idle_steps % self.probe_every:
+            self.idle_steps += 1
+            return [0] * len(requests)
+        return [min(cap, r.ctx.state.get("_last_verified", cap - 1) + 2) for r in requests]
+
+    def verify_lengths(self, requests, proposals):
+        if not requests:
+            return []
+        prof = self._fallback()
+        surv = [_survivals(p, prof) for p in proposals]
+        ctx = _context(requests)
+        R = len(requests)
+        lengths = prefix_schedule(surv, lambda B: self.cost.sps(R, B, ctx))
+        for r, n in zip(requests, lengths):
+            r.ctx.state["_last_verified"] = n
+        self.idle_steps = 0 if any(lengths) else self.idle_steps + 1
+        _record(requests, lengths)
+        return lengths
+
+    def _fallback(self) -> list[float]:
+        cond = self.profile.conditional()
+        return cond
+
+
+class AsyncPolicy(Policy):
+    """Asynchronous scheduling (paper section 5.2): the capacity K (draft tokens verified this step
+    beyond the anchors) comes from the survivals of two steps earlier by a full search over the
+    cost table; this step verifies the top-K candidates by up-to-date survival, ties by position.
+    K depends only on stale information, so the full search stays lossless."""
+
+    name = "async"
+
+    def __init__(self, cost_table=None, block: int | None = None, lag: int = 2):
+        self.cost = _CostModel(cost_table)
+        self.block = block
+        self.history: deque = deque(maxlen=lag)
+        self.profile = _Profile(block or 7)
+
+    def draft_lengths(self, requests, block_size):
+        cap = self.block or block_size
+        if len(self.profile.tries) < cap:
+            self.profile = _Profile(cap)
+        self.profile.update(requests)
+        self.capacity = self._capacity(requests, cap)
+        if self.capacity == 0:
+            return [0] * len(requests)
+        return [cap] * len(requests)
+
+    def _capacity(self, requests, cap) -> int:
+        R = len(requests)
+        if not R:
+            return 0
+        stale = self.history[0] if len(self.history) == self.history.maxlen else {}
+        prof, a = [], 1.0
+        for c in self.profile.conditional()[:cap]:
+            a *= c
+            prof.append(a)
+        cands = []
+        for r in requests:
+            cands.extend(stale.get(r.id, prof))     # requests that joined since: default profile
+        cands.sort(reverse=True)
+        ctx = _context(requests)
+        best_k, best, tau = 0, R * self.cost.sps(R, R, ctx), float(R)
+        for k, a in enumerate(cands, 1):            # full search: no early stop needed
+            tau += a
+            theta = tau * self.cost.sps(R, R + k, ctx)
+            if theta > best:
+                best, best_k = theta, k
+        return best_k
+
+    def verify_lengths(self, requests, proposals):
+        prof = self.profile.conditional()
+        surv = [_survivals(p, prof) for p in proposals]
+        self.history.append({r.id: s for r, s in zip(requests, surv)})
+        lengths = [0] * len(requests)
+        for a, j, i in _sorted_candidates(surv)[:getattr(self, "capacity", 0)]:
+            lengths[i] = max(lengths[i], j + 1)
+        _record(requests, lengths)
+        return lengths

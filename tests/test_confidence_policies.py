@@ -1,0 +1,100 @@
+"""Confidence-scheduled verification stays lossless.
+
+* Appendix A of the paper: vocabulary {A, B}, p_t = (0.7, 0.3), p_d = (0.5, 0.5), c_1 = 0.8,
+  c_2 = 0.9 after x_1 = A and 0 after B. With SPS(1, 2, 3) = (1.0, 0.5, 0.45) a search without the
+  early stop verifies x_1 only when it is A and emits A with probability 0.85; the test detects it.
+  Algorithm 1 never drafts there, so it is also run where it picks several lengths.
+* Every policy through the engine (tiny target, DSpark drafter whose confidences depend on the
+  sampled tokens): chi-square against the target's exact law, asserting several lengths were chosen.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.engine import Engine
+from dspark.sampling import SamplingParams
+from dspark.scheduling.confidence import prefix_schedule
+from dspark.scheduling.policies import make_policy
+from dspark.scheduling.sps import CostTable
+from dspark.verify import verify
+
+from _lossless import chi2_pvalue, exact_law
+from _tiny import VOCAB, tiny_drafter_model, tiny_target
+
+P_T = torch.tensor([0.7, 0.3])
+P_D = torch.tensor([0.5, 0.5])
+
+
+def _appendix_a(sps_values, early_stop, draws=20000, seed=0):
+    """First emitted token counts and the set of verification lengths chosen."""
+    g = torch.Generator().manual_seed(seed)
+    logits = P_T.log().expand(3, 2)              # the target: (0.7, 0.3) at every position
+    params = SamplingParams(temperature=1.0)
+    counts, lengths = [0, 0], set()
+    for _ in range(draws):
+        x = torch.multinomial(P_D.expand(2, 2), 1, generator=g).squeeze(-1)
+        c = [0.8, 0.9 if x[0] == 0 else 0.0]
+        surv = [[c[0], c[0] * c[1]]]
+        n = prefix_schedule(surv, lambda B: sps_values[B - 1], early_stop=early_stop)[0]
+        lengths.add(n)
+        acc, nxt = verify(x[:n], P_D.expand(n, 2), logits[:n + 1], params, g)
+        first = int(x[0]) if acc > 0 else int(nxt)
+        counts[first] += 1
+    return counts, lengths
+
+
+def test_search_without_early_stop_is_biased_and_detected():
+    counts, lengths = _appendix_a((1.0, 0.5, 0.45), early_stop=False)
+    assert lengths == {0, 2}
+    assert counts[0] / sum(counts) == pytest.approx(0.85, abs=0.01)
+    assert chisquare(counts, [0.7 * sum(counts), 0.3 * sum(counts)]).pvalue < 1e-6
+
+
+def test_algorithm1_never_drafts_in_appendix_a_and_is_lossless_where_it_does():
+    counts, lengths = _appendix_a((1.0, 0.5, 0.45), early_stop=True)
+    assert lengths == {0}                   # the vacuous case
+    counts, lengths = _appendix_a((1.0, 0.9, 0.85), early_stop=True)
+    assert lengths == {1, 2}                 # several lengths, chosen after seeing x_1
+    assert chisquare(counts, [0.7 * sum(counts), 0.3 * sum(counts)]).pvalue > 1e-3
+
+
+class _Spy:
+    """Wraps a policy and records the verification lengths it chose."""
+
+    def __init__(self, policy):
+        self.policy, self.name, self.lengths = policy, policy.name, set()
+
+    def draft_lengths(self, requests, block_size):
+        return self.policy.draft_lengths(requests, block_size)
+
+    def verify_lengths(self, requests, proposals):
+        out = self.policy.verify_lengths(requests, proposals)
+        self.lengths.update(out)
+        return out
+
+
+def _cost_table():
+    # steps get dearer with more verified tokens, so prefix / async verify some tokens, not all
+    return CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.25, 2.2], [1.4, 1.9, 3.5], [2.5, 3.6, 7.0]]])
+
+
+@pytest.mark.parametrize("policy", ["threshold-0.5", "ema", "prefix", "async"])
+def test_every_policy_keeps_the_target_distribution(policy):
+    target = tiny_target(scale=3.0)
+    drafter = DSparkDrafter(tiny_drafter_model(target, "dspark", "vanilla", draft_vocab=torch.tensor([0, 1, 2, 4]),
+                                               scale=2.0), target)
+    spy = _Spy(make_policy(policy, 3, cost_table=_cost_table()))
+    prompt, n_new, draws = [1, 3, 2, 4], 4, 3000
+    engine = Engine(target, drafter, spy, max_requests=32, block_size=3, max_len=16, cost_table=_cost_table())
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new)
+            for s in range(draws)]
+    engine.run()
+    counts = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert len(spy.lengths) >= 3, f"{policy} chose lengths {spy.lengths}: too few to test anything"
+    law = exact_law(target, prompt, n_new, SamplingParams(temperature=1.0, top_k=4), VOCAB)
+    assert chi2_pvalue(counts, law) > 1e-3

@@ -1,0 +1,126 @@
+"""Trained drafters (DSpark with each head, DFlash, EAGLE-3-style) through the engine.
+
+Lossless: on a tiny random target, sampled output through the whole loop (target features handed
+to the drafter, block forward, sequential sampling, verification, rollback) has the target's law,
+for every drafter kind, with a draft vocabulary that leaves a token out. Greedy: the output equals
+plain decoding. Checkpoints round-trip through config.json + model.safetensors.
+"""
+
+import json
+
+import pytest
+import torch
+
+from dspark.drafters import load_drafter
+from dspark.drafters.dspark import DSparkDrafter, DSparkModel
+from dspark.drafters.eagle3 import Eagle3Drafter, Eagle3Model
+from dspark.engine import Engine
+from dspark.errors import DsparkError, UsageError
+from dspark.sampling import SamplingParams
+from dspark.scheduling.policies import FixedPolicy
+
+from _lossless import chi2_pvalue, exact_law
+from _tiny import VOCAB, as_target, tiny_drafter_model, tiny_target
+
+KINDS = [("dspark", "vanilla"), ("dspark", "gated"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none")]
+
+
+def _drafter(target, kind, head, vocab=None):
+    model = tiny_drafter_model(target, kind, head, draft_vocab=vocab, scale=2.0)
+    cls = Eagle3Drafter if kind == "eagle3" else DSparkDrafter
+    return cls(model, target)
+
+
+def _run_many(target, drafter, prompt, params_list, n_new, block, concurrency=32):
+    engine = Engine(target, drafter, FixedPolicy(block), max_requests=concurrency, block_size=block,
+                    max_len=len(prompt) + n_new + block + 2)
+    reqs = [engine.add_request(prompt, p, n_new) for p in params_list]
+    engine.run()
+    return reqs
+
+
+@pytest.mark.parametrize("kind,head", KINDS)
+def test_sampled_output_has_target_distribution(kind, head):
+    # target and drafter weights are scaled so that drafts are often accepted yet differ from the
+    # target: sampling drafts from p^3 instead of p is then rejected with p-values below 1e-60
+    target = tiny_target(scale=3.0)
+    drafter = _drafter(target, kind, head, vocab=torch.tensor([0, 1, 2, 4]))   # token 3 never drafted
+    prompt, n_new, draws = [1, 3, 2, 4], 4, 3000
+    params = SamplingParams(temperature=1.0, top_k=4)
+    reqs = _run_many(target, drafter, prompt,
+                     [SamplingParams(temperature=1.0, top_k=4, seed=s) for s in range(draws)], n_new, 3)
+    counts = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    accepted = sum(r.stats.num_accepted_tokens for r in reqs)
+    assert accepted > draws * 0.3, f"{kind}: too few accepted drafts ({accepted}) to test anything"
+    assert max(len(r.stats.accepted_per_position) for r in reqs) >= 2, "never drafted 2 tokens"
+    assert chi2_pvalue(counts, exact_law(target, prompt, n_new, params, VOCAB)) > 1e-3
+
+
+@pytest.mark.parametrize("kind,head", KINDS)
+def test_greedy_equals_plain(kind, head):
+    target = tiny_target(seed=2)
+    prompts = [[1, 2, 3], [4, 4, 1, 0, 2], [3]]
+    greedy = SamplingParams(temperature=0)
+    plain = _run_many(target, None, prompts[0], [greedy], 12, 0)  # warm: plain engine
+    for p in prompts:
+        plain = _run_many(target, None, p, [greedy], 12, 0)[0].output_ids
+        spec = _run_many(target, _drafter(target, kind, head), p, [greedy], 12, 3)[0].output_ids
+        assert spec == plain
+
+
+def test_confidences_are_probabilities_and_depend_on_the_drafted_prefix():
+    target = tiny_target()
+    drafter = _drafter(target, "dspark", "vanilla")
+    engine = Engine(target, drafter, FixedPolicy(3), max_requests=2, block_size=3, max_len=32)
+    seen = []
+    orig = drafter.propose
+
+    def spy(contexts):
+        out = orig(contexts)
+        seen.extend(out)
+        return out
+    drafter.propose = spy
+    for s in range(2):
+        engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=s), 10)
+    engine.run()
+    confs = torch.cat([p.confidences for p in seen if p.confidences is not None and len(p)])
+    assert confs.numel() > 0 and bool(((confs > 0) & (confs < 1)).all())
+    assert confs.unique().numel() > 3
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_checkpoint_round_trip_and_loading_by_path(tmp_path, kind):
+    target = tiny_target()
+    model = tiny_drafter_model(target, kind, "rnn" if kind == "dspark" else "none", draft_vocab=torch.tensor([0, 2, 3, 5]))
+    model.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
+                "num_hidden_layers", "architectures"):
+        assert key in cfg
+    assert cfg["architectures"][0].endswith("Drafter")
+    cls = Eagle3Model if kind == "eagle3" else DSparkModel
+    back = cls.load(tmp_path)
+    for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert k == k2
+        assert torch.equal(a.to(torch.bfloat16).float(), b.float()) if a.is_floating_point() else torch.equal(a, b)
+    d = load_drafter(str(tmp_path), as_target(target))
+    assert isinstance(d, Eagle3Drafter if kind == "eagle3" else DSparkDrafter)
+
+
+def test_corrupt_or_mismatched_checkpoint_is_a_clear_error(tmp_path):
+    target = tiny_target()
+    tiny_drafter_model(target).save(tmp_path)
+    big = tiny_target(vocab=VOCAB + 2)
+    with pytest.raises(UsageError, match="trained for"):
+        load_drafter(str(tmp_path), as_target(big, "other"))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(DsparkError, match="cannot read drafter weights"):
+        load_drafter(str(tmp_path), as_target(target))
+
+
+def test_unknown_trained_name_says_how_to_build_it():
+    target = tiny_target()
+    with pytest.raises(UsageError, match="dspark train --recipe eagle3"):
+        load_drafter("eagle3", as_target(target, "no-such-target"))

@@ -1,0 +1,217 @@
+"""The training path: losses against naive per-position references, anchors and the packed block
+mask against an explicit per-block forward, the cache (checksums), exact resume, and the prompt
+mix / regeneration bookkeeping."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.drafters.backbone import packed_block_mask
+from dspark.drafters.config import position_weights
+from dspark.errors import DsparkError
+from dspark.training.cache import CacheReader, build_cache
+from dspark.training.losses import drafter_loss, eagle3_loss, target_probs
+from dspark.training.prompts import drop_benchmark_overlap, benchmark_texts
+from dspark.training.regenerate import _done_ids
+from dspark.training.trainer import TrainConfig, anchor_candidates, sample_anchors, train
+
+from _tiny import as_target, tiny_config, tiny_drafter_model, tiny_target
+
+
+# ------------------------------------------------------------------------------------ losses
+def _naive(logits, positions, weights, gt, pt, pt_out, conf):
+    """One position at a time, straight from SPEC section 5."""
+    tot_w = ce_s = l1_s = bce_s = 0.0
+    vd = logits.shape[1]
+    for i in range(logits.shape[0]):
+        w = math.exp(-positions[i].item() / 4)
+        p = logits[i].double().softmax(-1)
+        ce = -math.log(p[gt[i]].item()) if gt[i] < vd else 0.0
+        l1 = sum(abs(p[v].item() - pt[i, v].item()) for v in range(vd)) + pt_out[i].item()
+        c_star = 1 - 0.5 * l1
+        c = 1 / (1 + math.exp(-conf[i].item()))
+        bce = -(c_star * math.log(c) + (1 - c_star) * math.log(1 - c))
+        tot_w += w
+        ce_s, l1_s, bce_s = ce_s + w * ce, l1_s + w * l1, bce_s + w * bce
+    return ce_s / tot_w, l1_s / tot_w, bce_s / tot_w
+
+
+def test_each_loss_term_matches_a_naive_reference():
+    torch.manual_seed(0)
+    N, Vd, V = 9, 6, 8
+    logits = torch.randn(N, Vd) * 2
+    full = torch.randn(N, V).softmax(-1)
+    pt, pt_out = full[:, :Vd], full[:, Vd:].sum(-1)
+    gt = torch.tensor([0, 5, 6, 2, 3, 1, 6, 4, 0])       # 6 = outside the draft vocabulary
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 1])
+    conf = torch.randn(N)
+    weights = torch.tensor(position_weights(7))
+    loss, terms = drafter_loss(logits, positions, weights, gt, pt, pt_out, conf)
+    ce, l1, bce = _naive(logits, positions, weights, gt, pt, pt_out, conf)
+    assert terms["ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert terms["l1"].item() == pytest.approx(l1, rel=1e-5)
+    assert terms["bce"].item() == pytest.approx(bce, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * bce, rel=1e-5)
+    # DFlash: CE only
+    loss_ce, _ = drafter_loss(logits, positions, weights, gt)
+    assert loss_ce.item() == pytest.approx(ce, rel=1e-5)
+
+
+def test_confidence_label_is_detached():
+    logits = torch.randn(4, 5, requires_grad=True)
+    conf = torch.zeros(4, requires_grad=True)
+    pt = torch.full((4, 5), 0.2)
+    loss, _ = drafter_loss(logits, torch.arange(4), torch.ones(7), torch.zeros(4, dtype=torch.long),
+                           pt, torch.zeros(4), conf, ce_weight=0.0, l1_weight=0.0)
+    loss.backward()
+    assert logits.grad is None or float(logits.grad.abs().sum()) == 0.0   # BCE reaches only the head
+    assert float(conf.grad.abs().sum()) > 0
+
+
+def test_eagle3_loss_is_decayed_soft_cross_entropy():
+    torch.manual_seed(1)
+    logits, pt = torch.randn(5, 4), torch.randn(5, 4).softmax(-1) * 0.9
+    steps = torch.tensor([0, 1, 2, 3, 4])
+    loss, _ = eagle3_loss(logits, steps, pt, torch.full((5,), 0.1))
+    ref = sum(0.8 ** s * -(pt[i] * logits[i].log_softmax(-1)).sum() for i, s in enumerate(steps.tolist()))
+    assert loss.item() == pytest.approx(float(ref) / sum(0.8 ** s for s in range(5)), rel=1e-5)
+
+
+def test_target_probs_restrict_to_draft_vocab_and_report_outside_mass():
+    torch.manual_seed(2)
+    head, h = torch.randn(10, 4), torch.randn(3, 4)
+    vocab = torch.tensor([1, 4, 7])
+    inside, outside = target_probs(h, head, vocab, chunk=2)
+    full = (h @ head.T).softmax(-1)
+    assert torch.allclose(inside, full[:, vocab], atol=1e-6)
+    assert torch.allclose(outside, 1 - full[:, vocab].sum(-1), atol=1e-6)
+
+
+# ------------------------------------------------------------------ anchors and the packed mask
+def test_anchor_candidates_are_positions_with_i_and_i_plus_1_supervised():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    expected = [i for i in range(len(mask) - 1) if mask[i] and mask[i + 1]]
+    assert anchor_candidates(mask).tolist() == expected
+    got = sample_anchors(mask, 2, torch.Generator().manual_seed(0))
+    assert len(got) == 2 and set(got.tolist()) <= set(expected) and got.tolist() == sorted(got.tolist())
+
+
+def test_packed_mask_matches_its_definition():
+    anchors, g, L = torch.tensor([2, 5]), 3, 6
+    m = packed_block_mask(anchors, g, L)
+    for a, anchor in enumerate(anchors.tolist()):
+        for j in range(g):
+            row = m[a * g + j]
+            assert row[:L].tolist() == [c < anchor for c in range(L)]
+            assert row[L:].tolist() == [b // g == a for b in range(len(anchors) * g)]
+
+
+@pytest.mark.parametrize("kind,head", [("dspark", "vanilla"), ("dspark", "rnn"), ("dflash", "none"),
+                                       ("eagle3", "none")])
+def test_packed_forward_equals_one_block_at_a_time(kind, head):
+    """All blocks of a sequence in one forward == each block run alone on its own context."""
+    target = tiny_target()
+    model = tiny_drafter_model(target, kind, head, draft_vocab=torch.tensor([0, 1, 3, 4]))
+    torch.manual_seed(3)
+    L = 14
+    ids = torch.randint(0, 5, (L,))
+    feats = torch.randn(L, 64)
+    anchors = torch.tensor([3, 4, 8, 12])
+    _, packed, _ = model.forward_train(feats, ids, anchors)
+    for a, anchor in enumerate(anchors.tolist()):
+        _, alone, _ = model.forward_train(feats[:anchor], ids, torch.tensor([anchor]))
+        assert torch.allclose(packed[a], alone[0], atol=1e-4), f"block at anchor {anchor} differs"
+
+
+# ------------------------------------------------------------------------------------ the cache
+def _rows(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"id": f"r{i}", "prompt_ids": torch.randint(0, 5, (4 + i,), generator=g).tolist(),
+             "answer_ids": torch.randint(0, 5, (6 + 2 * i,), generator=g).tolist()} for i in range(n)]
+
+
+def test_cache_round_trip_and_checksum(tmp_path):
+    target = tiny_target()
+    rows = _rows()
+    out = build_cache(rows, as_target(target), tmp_path / "c", [0, 2], shard_tokens=30, progress=False,
+                      log=lambda m: None)
+    assert out["bytes_per_token"] == 2 * 3 * 32 + 5
+    reader = CacheReader(tmp_path / "c")
+    assert len(reader) == len(rows) and len(reader.index["shards"]) > 1
+    kv = target.new_cache(1, 64)
+    for i, r in enumerate(rows):
+        s = reader[i]
+        ids = r["prompt_ids"] + r["answer_ids"]
+        assert s.ids.tolist() == ids
+        assert s.loss_mask.tolist() == [False] * len(r["prompt_ids"]) + [True] * len(r["answer_ids"])
+        slot = kv.allocate()
+        o = target(torch.tensor(ids), [(slot, len(ids))], kv, feature_layers=(0, 2), logits_rows=None)
+        kv.free(slot)
+        assert torch.equal(s.features, torch.cat(o.features, -1).to(torch.bfloat16))
+        assert torch.equal(s.hidden, o.last_hidden.to(torch.bfloat16))
+    # rerun: nothing to do; more rows: only the new ones
+    again = build_cache(rows + _rows(8, seed=1)[6:], as_target(target), tmp_path / "c", [0, 2],
+                        shard_tokens=30, progress=False, log=lambda m: None)
+    assert again["sequences"] == 8
+    # flip one byte of one shard
+    f = tmp_path / "c" / "shard-00001" / "features.npy"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(DsparkError, match="checksum"):
+        CacheReader(tmp_path / "c")
+
+
+# ------------------------------------------------------------------------------- training, resume
+def test_training_reduces_loss_and_resume_continues_exactly(tmp_path):
+    target = tiny_target()
+    t = as_target(target)
+    build_cache(_rows(8), t, tmp_path / "c", [0, 2], progress=False, log=lambda m: None)
+    src = CacheReader(tmp_path / "c")
+    cfg = TrainConfig(lr=3e-3, epochs=3, batch_size=2, anchors=4, save_every=3, log_every=100)
+    vocab = torch.tensor([0, 1, 2, 4])
+    quiet = dict(progress=False, log=lambda m: None)
+    straight = train(src, tiny_config(), tmp_path / "a", t, cfg, draft_vocab=vocab, **quiet)
+    assert straight["steps"] == 12
+    hist = json.loads((tmp_path / "a" / "train_log.json").read_text())["history"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    from dataclasses import replace
+    train(src, tiny_config(), tmp_path / "b", t, replace(cfg, max_steps=5), draft_vocab=vocab, **quiet)
+    assert not (tmp_path / "b" / "model.safetensors").exists()        # cut short: only the checkpoint
+    train(src, tiny_config(), tmp_path / "b", t, cfg, draft_vocab=None, **quiet)   # resumes at step 5
+    from safetensors.torch import load_file
+    a = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+def test_damaged_checkpoint_is_a_clear_error(tmp_path):
+    target = tiny_target()
+    t = as_target(target)
+    build_cache(_rows(4), t, tmp_path / "c", [0, 2], progress=False, log=lambda m: None)
+    src = CacheReader(tmp_path / "c")
+    cfg = TrainConfig(epochs=1, batch_size=2, anchors=4, max_steps=1)
+    train(src, tiny_config(), tmp_path / "o", t, cfg, progress=False, log=lambda m: None)
+    (tmp_path / "o" / "checkpoint" / "optimizer.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DsparkError, match="damaged"):
+        train(src, tiny_config(), tmp_path / "o", t, cfg, progress=False, log=lambda m: None)
+
+
+# ------------------------------------------------------------------------------- prompts, regen
+def test_benchmark_prompts_are_dropped_from_training_prompts():
+    bench = benchmark_texts()
+    some = "Write a haiku about autumn."
+    kept, dropped = drop_benchmark_overlap([bench[0], "  " + bench[3].upper() + " ", some], bench)
+    assert kept == [some] and dropped == 2
+
+
+def test_regeneration_resume_drops_a_partial_last_line(tmp_path):
+    f = tmp_path / "out.jsonl"
+    f.write_text(json.dumps({"id": "a"}) + "\n" + json.dumps({"id": "b"}) + "\n" + '{"id": "c", "ans')
+    assert _done_ids(f) == {"a", "b"}
+    assert f.read_text().endswith("\n") and f.read_text().count("\n") == 2
