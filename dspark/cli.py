@@ -77,9 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="speculative generation from one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    g.add_argument("--drafter", default="auto",
-                   help="auto (the trained DSpark drafter of the target if it has one, else ngram), "
-                        "plain, ngram, cut[:N] (the target's first N layers), a trained drafter "
+    g.add_argument("--drafter", default="ngram",
+                   help="plain, ngram, cut[:N] (the target's first N layers), a trained drafter "
                         "(dspark, dflash, dflash-5, eagle3, dspark-rnn, or a folder), or a draft LM "
                         "(bundled name, folder or .gguf sharing the target's tokenizer)")
     g.add_argument("--num-draft", type=_int, default=None,

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.drafters import DraftContext, DraftLMDrafter, NgramDrafter, PlainDrafter, load_drafter
-from dspark.errors import UsageError
+from dspark.errors import DsparkError, UsageError
 from dspark.generation import generate_ids
 from dspark.runtime.model import Decoder
 from dspark.sampling import SamplingParams
@@ -55,9 +55,16 @@ def test_draft_lm_with_other_tokenizer_is_refused(target_fp32, tmp_path):
 
 
 def test_trained_drafter_folder_is_recognised(target_fp32, tmp_path):
+    # a config that declares a drafter is read as a trained drafter, not as a draft LM
     (tmp_path / "config.json").write_text('{"architectures": ["DSparkDrafter"], "block_size": 7}')
-    with pytest.raises(UsageError, match="trained drafter"):
+    with pytest.raises(DsparkError, match="drafter config needs"):
         load_drafter(str(tmp_path), target_fp32)
+    from dspark.drafters.dspark import DSparkDrafter
+    for name in ("dspark", "dflash"):     # the committed checkpoints, by name and by path
+        d = load_drafter(name, target_fp32)
+        assert isinstance(d, DSparkDrafter) and d.config.kind == name
+        from dspark.drafters import CHECKPOINTS
+        assert isinstance(load_drafter(str(CHECKPOINTS / target_fp32.name / name), target_fp32), DSparkDrafter)
 
 
 def test_draft_lm_catches_up_and_rolls_back():

@@ -55,8 +55,7 @@ def _is_trained_drafter(path: Path) -> bool:
 
 def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None = None,
                  dtype=None) -> Drafter:
-    """``spec``: a Drafter, None / "plain", "ngram", "cut" / "cut:N", "auto" (the trained DSpark
-    drafter of this target if there is one, else ngram), a trained drafter name (dspark, dflash,
+    """``spec``: a Drafter, None / "plain", "ngram", "cut" / "cut:N", a trained drafter name (dspark, dflash,
     dflash-5, eagle3, dspark-rnn) or folder, or a draft LM (bundled name, HF folder or GGUF file
     sharing the target's tokenizer)."""
     if isinstance(spec, Drafter):
@@ -65,9 +64,6 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
     low = name.lower()
     if low in ("plain", "none"):
         return PlainDrafter()
-    if low == "auto":   # the trained DSpark drafter when one exists for this target, else n-gram
-        have = any((f / "config.json").is_file() for f in trained_drafter_dirs(target.name, "dspark"))
-        low = name = "dspark" if have else "ngram"
     if low == "ngram":
         return NgramDrafter(block_size=block_size or 10)
     if low == "cut" or low.startswith("cut:"):
