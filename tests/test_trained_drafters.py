@@ -93,7 +93,7 @@ def test_confidences_are_probabilities_and_depend_on_the_drafted_prefix():
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_checkpoint_round_trip_and_loading_by_path(tmp_path, kind):
     target = tiny_target()
-    model = tiny_drafter_model(target, kind, "rnn" if kind == "dspark" else "none", draft_vocab=torch.tensor([0, 2, 3, 5]))
+    model = tiny_drafter_model(target, kind, "rnn" if kind == "dspark" else "none", draft_vocab=torch.tensor([0, 2, 3, 4]))
     model.save(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     for key in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",

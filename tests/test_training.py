@@ -136,8 +136,8 @@ def _rows(n=6, seed=0):
 def test_cache_round_trip_and_checksum(tmp_path):
     target = tiny_target()
     rows = _rows()
-    out = build_cache(rows, as_target(target), tmp_path / "c", [0, 2], shard_tokens=30, progress=False,
-                      log=lambda m: None)
+    out = build_cache(rows, as_target(target), tmp_path / "c", [0, 2], shard_tokens=30, batch_tokens=40,
+                      progress=False, log=lambda m: None)
     assert out["bytes_per_token"] == 2 * 3 * 32 + 5
     reader = CacheReader(tmp_path / "c")
     assert len(reader) == len(rows) and len(reader.index["shards"]) > 1
@@ -154,7 +154,7 @@ def test_cache_round_trip_and_checksum(tmp_path):
         assert torch.equal(s.hidden, o.last_hidden.to(torch.bfloat16))
     # rerun: nothing to do; more rows: only the new ones
     again = build_cache(rows + _rows(8, seed=1)[6:], as_target(target), tmp_path / "c", [0, 2],
-                        shard_tokens=30, progress=False, log=lambda m: None)
+                        shard_tokens=30, batch_tokens=40, progress=False, log=lambda m: None)
     assert again["sequences"] == 8
     # flip one byte of one shard
     f = tmp_path / "c" / "shard-00001" / "features.npy"
