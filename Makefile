@@ -14,8 +14,8 @@ DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef 
 .PHONY: setup demo test bench llama-cpp qwen-coder clean drafters
 
 # the training pipeline for the default target; every step resumes where it stopped
-NUM_PROMPTS ?= 1200
-TRAIN_FLAGS ?= --epochs 1 --batch-size 16 --anchors 128 --lr 1e-3
+NUM_PROMPTS ?= 1461
+TRAIN_FLAGS ?= --epochs 2 --batch-size 16 --anchors 128 --lr 1e-3
 RECIPES ?= dspark dflash dflash-5 eagle3 dspark-rnn
 
 $(STAMP): pyproject.toml
