@@ -202,7 +202,6 @@ class DSparkDrafter(Drafter):
         bb = self.model.backbone
         ctx_all = bb.fuse(torch.cat(rows).to(self.model.backbone.fc.weight.dtype))
         pos = torch.cat([torch.arange(self.cache.lengths[s], self.cache.lengths[s] + n) for s, n in owners])
-        at = 0
         for li, layer in enumerate(bb.layers):
             k, v = layer.context_kv(ctx_all, pos.to(self.device), bb.rope)
             at = 0

@@ -40,11 +40,6 @@ class Eagle3Model(DSparkModel):
     def attach(self, embed, lm_head, init_mask: bool = False):
         return super().attach(embed, lm_head, init_mask=False)
 
-    def layer_step(self, x_in: torch.Tensor, resid: torch.Tensor, pos: torch.Tensor, k_prev, v_prev, mask):
-        """Run the layer on rows x_in [n, 2d] with keys/values [k_prev; own] (mask [n, K + n])."""
-        layer = self.backbone.layers[0]
-        return layer(x_in, pos, self.backbone.rope, k_prev, v_prev, mask, residual=resid)
-
     def forward_train(self, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor):
         """Unrolled chains from every anchor. Returns (None, logits [A, g, Vd], None)."""
         c = self.config
@@ -106,7 +101,6 @@ class Eagle3Drafter(DSparkDrafter):
 
     def _ingest_and_first(self, contexts: list[DraftContext]) -> torch.Tensor:
         m = self.model
-        layer, rope = m.backbone.layers[0], m.backbone.rope
         outs = []
         for ctx in contexts:
             slot = self._slot(ctx)

@@ -166,7 +166,24 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True) 
     return best_lengths
 
 
-class PrefixPolicy(Policy):
+class _ProfiledPolicy(Policy):
+    """Keeps the observed per-position acceptance profile (the survivals of drafters without
+    confidences, and the default for requests the async policy has no snapshot of)."""
+
+    def __init__(self, cost_table=None, block: int | None = None):
+        self.cost = _CostModel(cost_table)
+        self.block = block
+        self.profile = _Profile(block or 7)
+
+    def _refresh(self, requests, block_size) -> int:
+        cap = self.block or block_size
+        if len(self.profile.tries) < cap:
+            self.profile = _Profile(cap)
+        self.profile.update(requests)
+        return cap
+
+
+class PrefixPolicy(_ProfiledPolicy):
     """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting is shortened
     to one more than what the request verified last step, and skipped after a run of steps where
     nothing was worth verifying (re-probed every ``probe_every`` steps): under heavy load the
@@ -175,26 +192,20 @@ class PrefixPolicy(Policy):
     name = "prefix"
 
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
-        self.cost = _CostModel(cost_table)
-        self.block = block
+        super().__init__(cost_table, block)
         self.probe_every = probe_every
-        self.idle_steps = 0
-        self.profile = _Profile(block or 7)
+        self.idle_steps = 0          # consecutive steps that verified no draft (counted in verify_lengths)
 
     def draft_lengths(self, requests, block_size):
-        cap = self.block or block_size
-        if len(self.profile.tries) < cap:
-            self.profile = _Profile(cap)
-        self.profile.update(requests)
+        cap = self._refresh(requests, block_size)
         if self.idle_steps and self.idle_steps % self.probe_every:
-            self.idle_steps += 1
             return [0] * len(requests)
         return [min(cap, r.ctx.state.get("_last_verified", cap - 1) + 2) for r in requests]
 
     def verify_lengths(self, requests, proposals):
         if not requests:
             return []
-        prof = self._fallback()
+        prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
         ctx = _context(requests)
         R = len(requests)
@@ -205,12 +216,8 @@ class PrefixPolicy(Policy):
         _record(requests, lengths)
         return lengths
 
-    def _fallback(self) -> list[float]:
-        cond = self.profile.conditional()
-        return cond
 
-
-class AsyncPolicy(Policy):
+class AsyncPolicy(_ProfiledPolicy):
     """Asynchronous scheduling (paper section 5.2): the capacity K (draft tokens verified this step
     beyond the anchors) comes from the survivals of two steps earlier by a full search over the
     cost table; this step verifies the top-K candidates by up-to-date survival, ties by position.
@@ -219,16 +226,12 @@ class AsyncPolicy(Policy):
     name = "async"
 
     def __init__(self, cost_table=None, block: int | None = None, lag: int = 2):
-        self.cost = _CostModel(cost_table)
-        self.block = block
+        super().__init__(cost_table, block)
         self.history: deque = deque(maxlen=lag)
-        self.profile = _Profile(block or 7)
+        self.capacity = 0
 
     def draft_lengths(self, requests, block_size):
-        cap = self.block or block_size
-        if len(self.profile.tries) < cap:
-            self.profile = _Profile(cap)
-        self.profile.update(requests)
+        cap = self._refresh(requests, block_size)
         self.capacity = self._capacity(requests, cap)
         if self.capacity == 0:
             return [0] * len(requests)
@@ -261,7 +264,7 @@ class AsyncPolicy(Policy):
         surv = [_survivals(p, prof) for p in proposals]
         self.history.append({r.id: s for r, s in zip(requests, surv)})
         lengths = [0] * len(requests)
-        for a, j, i in _sorted_candidates(surv)[:getattr(self, "capacity", 0)]:
+        for a, j, i in _sorted_candidates(surv)[:self.capacity]:
             lengths[i] = max(lengths[i], j + 1)
         _record(requests, lengths)
         return lengths
