@@ -15,7 +15,7 @@ DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef 
 
 # the training pipeline for the default target; every step resumes where it stopped
 NUM_PROMPTS ?= 1461
-TRAIN_FLAGS ?= --epochs 2 --batch-size 16 --anchors 128 --lr 1e-3
+TRAIN_FLAGS ?= --epochs 4 --batch-size 8 --anchors 64 --lr 2e-3
 RECIPES ?= dspark dflash dflash-5 eagle3 dspark-rnn
 
 $(STAMP): pyproject.toml
@@ -58,3 +58,4 @@ drafters: $(STAMP)
 	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
 	$(BIN)/dspark cache
 	for r in $(RECIPES); do $(BIN)/dspark train --recipe $$r $(TRAIN_FLAGS) || exit 1; done
+	$(BIN)/dspark calibrate --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"

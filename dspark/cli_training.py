@@ -1,4 +1,5 @@
-"""The training-path commands of the ``dspark`` CLI: prepare -> regenerate -> cache -> train -> eval.
+"""The training-path commands of the ``dspark`` CLI: prepare -> regenerate -> cache -> train -> calibrate
+-> eval.
 
 Each command reads what the previous one wrote; the defaults chain through one work folder
 (``--work``, default ``<user cache>/work/<target>``), so the whole pipeline is::
@@ -117,6 +118,23 @@ def add_parsers(sub, h) -> None:
     h._add_model_flags(e)
     e.set_defaults(threads=2)
 
+    cb = sub.add_parser("calibrate", help="fit the confidence head's STS temperatures on held-out rollouts")
+    cb.add_argument("--drafter", default="dspark", help="trained drafter name or folder (needs a confidence head)")
+    cb.add_argument("--prompts", default=None, help="held-out prompts JSONL (default: <work>/prompts/heldout.jsonl)")
+    cb.add_argument("--blocks", type=h._positive_int, default=5000, help="verified blocks per split (fit, eval)")
+    cb.add_argument("--max-new-tokens", type=h._positive_int, default=256)
+    cb.add_argument("--concurrency", type=h._positive_int, default=16)
+    cb.add_argument("--seed", type=h._int, default=0)
+    cb.add_argument("--bins", type=h._positive_int, default=20, help="ECE bins (equal width)")
+    cb.add_argument("--reliability", default=None, help="write the reliability diagram PNG here")
+    cb.add_argument("--sweep", default=None, help="write the threshold-sweep PNG here")
+    cb.add_argument("--markdown", default=None, help="write the per-position table here")
+    cb.add_argument("--no-save", action="store_true", help="report only; leave the drafter's config as is")
+    cb.add_argument("--json", action="store_true")
+    h._add_model_flags(cb)
+    cb.set_defaults(threads=2)
+    work(cb)
+
 
 def _parse_mix(text: str) -> dict:
     mix = {}
@@ -234,5 +252,51 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from tqdm import tqdm
+    from .drafters import load_drafter
+    from .runtime.loading import load_target
+    from .training import calibrate as cal
+    from .training.prompts import read_prompts
+    rows = read_prompts(args.prompts or _work_dir(args) / "prompts" / "heldout.jsonl")
+    fit_rows, eval_rows = cal.split_rows(rows)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = load_drafter(args.drafter, target)
+    folder = getattr(drafter, "folder", None)
+    if folder is None or getattr(getattr(drafter, "model", None), "confidence", None) is None:
+        raise UsageError(f"drafter {args.drafter!r} has no confidence head to calibrate (a DSpark drafter has one)")
+    from .api import encode_prompt
+    splits = {}
+    for name, part in (("fit", fit_rows), ("eval", eval_rows)):
+        prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in part]
+        with tqdm(total=args.blocks, desc=f"rollouts ({name})", unit="block", file=sys.stderr) as bar:
+            splits[name] = cal.collect(target, drafter, prompts, [r["domain"] for r in part], blocks=args.blocks, max_new_tokens=args.max_new_tokens,
+                                       concurrency=args.concurrency, seed=args.seed,
+                                       progress=lambda n: bar.update(n - bar.n))
+    temps = cal.fit_sts(splits["fit"], args.bins)
+    rep = cal.report(splits["eval"], temps, args.bins)
+    table = cal.markdown(rep)
+    print(table, file=sys.stderr)
+    sweep = cal.threshold_sweep(splits["eval"], temps)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.reliability:
+        cal.plot_reliability(splits["eval"], temps, args.reliability, args.bins)
+    if args.sweep:
+        cal.plot_sweep(sweep, args.sweep)
+    if not args.no_save:
+        cfg = drafter.model.config
+        cfg.sts_temperatures = [round(t, 4) for t in temps]
+        try:
+            cfg.save(folder)
+        except OSError as e:
+            raise UsageError(f"cannot write {folder}/config.json ({e}); rerun with --no-save") from None
+        print(f"saved STS temperatures to {folder}/config.json", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"drafter": str(folder), "temperatures": temps,
+                          "blocks": {k: len(v) for k, v in splits.items()}, "positions": rep, "sweep": sweep}))
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "regenerate": cmd_regenerate, "cache": cmd_cache, "train": cmd_train,
-            "eval": cmd_eval}
+            "eval": cmd_eval, "calibrate": cmd_calibrate}

@@ -81,6 +81,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_steps = 0
+        self.step_seconds = 0.0     # wall time inside step()
+        self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
@@ -129,9 +131,16 @@ class Engine:
             self.drafter.release(req.ctx)
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def step(self) -> list[Request]:
         """Advance every running request by one target forward; returns requests that ended."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _step(self) -> list[Request]:
         self._admit()
         if not self.running:
             return []
@@ -214,7 +223,9 @@ class Engine:
         proposals = [Proposal.empty() for _ in decode]
         if not decode:
             return proposals
+        t0 = time.perf_counter()
         want = self.policy.draft_lengths(decode, self.block_size)
+        self.policy_seconds += time.perf_counter() - t0
         active = []
         for i, (r, w) in enumerate(zip(decode, want)):
             r.ctx.num_draft = max(0, min(w, r.max_new_tokens - len(r.output_ids) - 1))
@@ -224,7 +235,9 @@ class Engine:
             got = self.drafter.propose([decode[i].ctx for i in active])
             for i, p in zip(active, got):
                 proposals[i] = p.truncate(decode[i].ctx.num_draft)
+        t0 = time.perf_counter()
         lengths = self.policy.verify_lengths(decode, proposals)
+        self.policy_seconds += time.perf_counter() - t0
         return [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
 
     def _emit(self, r: Request, tokens: list[int]) -> bool:

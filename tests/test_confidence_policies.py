@@ -98,3 +98,20 @@ def test_every_policy_keeps_the_target_distribution(policy):
     assert len(spy.lengths) >= 3, f"{policy} chose lengths {spy.lengths}: too few to test anything"
     law = exact_law(target, prompt, n_new, SamplingParams(temperature=1.0, top_k=4), VOCAB)
     assert chi2_pvalue(counts, law) > 1e-3
+
+
+def test_async_capacity_recovers_after_a_step_that_drafted_nothing():
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import AsyncPolicy
+    cheap = CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.01, 1.03], [1.4, 1.42, 1.45], [2.5, 2.52, 2.6]]])
+    pol = AsyncPolicy(cheap, block=3)
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0)) for i in range(2)]
+    empty = [Proposal.empty(), Proposal.empty()]
+    pol.capacity = 0
+    pol.verify_lengths(reqs, empty)              # two steps in which nothing was drafted ...
+    pol.verify_lengths(reqs, empty)
+    want = pol.draft_lengths(reqs, 3)            # ... must not pin K at 0: the default profile counts
+    assert pol.capacity > 0 and want == [min(3, pol.capacity)] * 2

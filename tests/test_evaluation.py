@@ -40,6 +40,8 @@ def test_concurrency_bench_json(capsys, tmp_path):
     assert {(r["policy"], r["concurrency"]) for r in res} == {(p, c) for p in ("plain", "mtp1", "fixed")
                                                              for c in (1, 3)}
     assert all(r["total_tokens_per_second"] > 0 and r["per_user_tokens_per_second"] > 0 for r in res)
+    # the policy's decision time is measured per step, as a share of the step's wall time
+    assert all(r["decision_ms_per_step"] >= 0 and 0 <= r["decision_share"] < 1 for r in res)
     assert png.stat().st_size > 1000
     assert main(["bench", "concurrency", "--policies", "bogus"]) == 2
     assert main(["bench", "concurrency", "--concurrency", "0"]) == 2

@@ -215,3 +215,23 @@ def test_regeneration_resume_drops_a_partial_last_line(tmp_path):
     f.write_text(json.dumps({"id": "a"}) + "\n" + json.dumps({"id": "b"}) + "\n" + '{"id": "c", "ans')
     assert _done_ids(f) == {"a", "b"}
     assert f.read_text().endswith("\n") and f.read_text().count("\n") == 2
+
+
+def test_feature_scale_is_inverse_mean_magnitude_and_saved_with_the_drafter(tmp_path):
+    from dspark.drafters.dspark import DSparkModel
+    from dspark.training.trainer import feature_scale
+    target = tiny_target()
+    t = as_target(target)
+    build_cache(_rows(4), t, tmp_path / "c", [0, 2], progress=False, log=lambda m: None)
+    src = CacheReader(tmp_path / "c")
+    feats = torch.cat([src[i].features[src[i].loss_mask].float() for i in range(len(src))])
+    assert torch.allclose(feature_scale(src), 1 / feats.abs().mean(0), rtol=1e-5)
+    cfg = TrainConfig(lr=1e-3, epochs=1, batch_size=2, anchors=4, log_every=100)
+    train(src, tiny_config(), tmp_path / "d", t, cfg, progress=False, log=lambda m: None)
+    loaded = DSparkModel.load(tmp_path / "d")
+    scale = loaded.backbone.feature_scale
+    assert torch.allclose(scale, feature_scale(src).to(torch.bfloat16).float(), rtol=1e-2)
+    # fusing with the scale = fusing unscaled features through a projection with the scale folded in
+    x = feats[:5]
+    folded = torch.nn.functional.linear(x, loaded.backbone.fc.weight * scale[None])
+    assert torch.allclose(loaded.backbone.fuse(x), loaded.backbone.fc_norm(folded), atol=1e-5)

@@ -37,8 +37,11 @@ def load_trained(folder: Path, target, *, block_size: int | None = None, name: s
                          f"{target.name} (vocab {tc.vocab_size}, hidden {tc.hidden_size})")
     if cfg.kind == "eagle3":
         from .eagle3 import Eagle3Drafter, Eagle3Model
-        return Eagle3Drafter(Eagle3Model.load(folder), target.model, name=name, block_size=block_size)
-    return DSparkDrafter(DSparkModel.load(folder), target.model, name=name, block_size=block_size)
+        drafter = Eagle3Drafter(Eagle3Model.load(folder), target.model, name=name, block_size=block_size)
+    else:
+        drafter = DSparkDrafter(DSparkModel.load(folder), target.model, name=name, block_size=block_size)
+    drafter.folder = Path(folder)
+    return drafter
 
 
 def _is_trained_drafter(path: Path) -> bool:

@@ -1,7 +1,9 @@
 """The parallel drafter backbone (DFlash / DSpark): target-feature fusion + KV-injected layers.
 
 Context enters by KV injection: the chosen target layers' outputs at each context position are
-concatenated, projected to d by a bias-free linear layer and RMS-normalised (``fuse``); in every
+concatenated, scaled per channel by a fixed vector measured on the training data, projected to d by
+a bias-free linear layer and RMS-normalised (``fuse``; the scale could be folded into the
+projection's weights, it is kept apart so that Adam sees well-conditioned inputs); in every
 drafter layer the keys / values are ``[k_proj(context); k_proj(block)]`` while queries come from
 the block only. Block positions attend to all of their own block (non-causal) and, through the
 attention mask, to the context strictly before their anchor. RoPE positions continue from the
@@ -87,7 +89,12 @@ class Backbone(nn.Module):
 
     def __init__(self, c: DrafterConfig):
         super().__init__()
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        width = len(c.target_layer_ids) * c.target_hidden_size
+        # fixed per-channel input scale (1 / mean |feature| on the training data, set before training):
+        # target residual streams carry a few channels hundreds of times larger than the rest, which
+        # would otherwise dominate the projection and make Adam's steps badly conditioned
+        self.register_buffer("feature_scale", torch.ones(width))
+        self.fc = nn.Linear(width, c.hidden_size, bias=False)
         self.fc_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -95,7 +102,7 @@ class Backbone(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[n, m * d_target] concatenated target features -> [n, d]."""
-        return self.fc_norm(self.fc(features))
+        return self.fc_norm(self.fc(features * self.feature_scale.to(features.dtype)))
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [layer.context_kv(ctx, pos, self.rope) for layer in self.layers]

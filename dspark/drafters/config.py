@@ -70,7 +70,9 @@ class DrafterConfig:
         return self.markov_head_type != "none"
 
     def save(self, folder: Path) -> None:
-        (Path(folder) / "config.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp = Path(folder) / "config.json.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(Path(folder) / "config.json")
 
     @classmethod
     def load(cls, folder: Path) -> "DrafterConfig":

@@ -132,6 +132,7 @@ class DSparkModel(nn.Module):
         if "draft_vocab" not in state:
             raise DsparkError(f"{folder}/model.safetensors has no draft_vocab: not a dspark drafter")
         model = cls(config, state["draft_vocab"])
+        state.setdefault("backbone.feature_scale", model.backbone.feature_scale)   # drafters saved before it existed
         missing, unexpected = model.load_state_dict(
             {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}, strict=False)
         if missing or unexpected:

@@ -59,6 +59,8 @@ def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurren
             "total_tokens_per_second": tokens / wall, "per_user_tokens_per_second": per_user,
             "engine_steps": engine.num_steps, "num_draft_tokens": drafted,
             "num_accepted_tokens": accepted,
+            "decision_ms_per_step": 1000 * engine.policy_seconds / max(1, engine.num_steps),
+            "decision_share": engine.policy_seconds / engine.step_seconds if engine.step_seconds else 0.0,
             "accept_length": (tokens - len(done)) / rounds if rounds else 0.0}
 
 
@@ -89,12 +91,15 @@ def run_concurrency_bench(args) -> int:
             results.append(res)
             print(f"concurrency {c:>3} {name:>6}: total {res['total_tokens_per_second']:.1f} tok/s, "
                   f"per user {res['per_user_tokens_per_second']:.1f} tok/s, "
-                  f"accept length {res['accept_length']:.2f}", file=sys.stderr)
-    lines = ["| policy | concurrency | total tok/s | per-user tok/s | accept length |",
-             "|---|---|---|---|---|"]
+                  f"accept length {res['accept_length']:.2f}, "
+                  f"decision {res['decision_ms_per_step']:.3f} ms/step ({100 * res['decision_share']:.2f}% of a step)",
+                  file=sys.stderr)
+    lines = ["| policy | concurrency | total tok/s | per-user tok/s | accept length | decision ms/step (% of step) |",
+             "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['policy']} | {r['concurrency']} | {r['total_tokens_per_second']:.1f} | "
-                     f"{r['per_user_tokens_per_second']:.1f} | {r['accept_length']:.2f} |")
+                     f"{r['per_user_tokens_per_second']:.1f} | {r['accept_length']:.2f} | "
+                     f"{r['decision_ms_per_step']:.3f} ({100 * r['decision_share']:.2f}%) |")
     print("\n".join(lines))
     if args.plot:
         _pareto_plot(results, args.plot)

@@ -233,9 +233,8 @@ class AsyncPolicy(_ProfiledPolicy):
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
         self.capacity = self._capacity(requests, cap)
-        if self.capacity == 0:
-            return [0] * len(requests)
-        return [cap] * len(requests)
+        # no request can be granted more than K tokens: draft no deeper than that
+        return [min(cap, self.capacity)] * len(requests)
 
     def _capacity(self, requests, cap) -> int:
         R = len(requests)
@@ -248,7 +247,9 @@ class AsyncPolicy(_ProfiledPolicy):
             prof.append(a)
         cands = []
         for r in requests:
-            cands.extend(stale.get(r.id, prof))     # requests that joined since: default profile
+            # requests that joined since, or drafted nothing then: the observed default profile
+            # (so that a step with K = 0 does not lock the policy into plain decoding)
+            cands.extend(stale.get(r.id) or prof)
         cands.sort(reverse=True)
         ctx = _context(requests)
         best_k, best, tau = 0, R * self.cost.sps(R, R, ctx), float(R)

@@ -88,6 +88,23 @@ def build_draft_vocab(source, size: int, vocab_size: int, always=()) -> torch.Te
     return torch.tensor(sorted(order))
 
 
+def feature_scale(source, max_tokens: int = 50_000) -> torch.Tensor:
+    """1 / mean |x| per feature channel over the first ``max_tokens`` supervised tokens (floored so
+    that a dead channel does not blow up)."""
+    total, count = None, 0
+    for i in range(len(source)):
+        s = source[i]
+        f = s.features[s.loss_mask].float().abs()
+        total = f.sum(0) if total is None else total + f.sum(0)
+        count += f.shape[0]
+        if count >= max_tokens:
+            break
+    if not count:
+        raise UsageError("no supervised tokens to measure the feature scale on")
+    mean = total / count
+    return 1.0 / mean.clamp_min(1e-3 * float(mean.median()) + 1e-12)
+
+
 def model_class(kind: str):
     if kind == "eagle3":
         from ..drafters.eagle3 import Eagle3Model
@@ -195,6 +212,8 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
         draft_vocab = load_file(str(ckpt / "model.safetensors"))["draft_vocab"]
     model = model_class(drafter_config.kind)(drafter_config, draft_vocab)
     model.attach(target.model.embed, target.model.lm_head, init_mask=True)
+    if not ckpt.exists():
+        model.backbone.feature_scale.copy_(feature_scale(source))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(n / tcfg.batch_size)

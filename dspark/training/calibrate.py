@@ -1,0 +1,281 @@
+"""``dspark calibrate``: Sequential Temperature Scaling of the confidence head (SPEC section 3).
+
+1. Rollouts: the target generates at temperature 1 on held-out prompts while the drafter proposes
+   full blocks (fixed policy); every verified block records the raw confidence logit z_k of each
+   position and how many draft tokens survived. Two prompt-disjoint splits: fit and evaluation.
+2. STS: for k = 1..gamma in order, one temperature T_k (grid search) minimises the ECE (20
+   equal-width bins) of the prefix survival a_k = prod_{i<=k} sigmoid(z_i / T_i) against the event
+   "tokens 1..k all accepted", T_1..T_{k-1} kept fixed.
+3. Report ECE, AUROC and Brier per position before (T = 1) and after, on the evaluation split; a
+   reliability diagram; the threshold sweep (accepted / rejected tokens per step and acceptance
+   rate against a threshold on the calibrated c_k, per domain).
+
+The temperatures go into the drafter's config.json (``sts_temperatures``); the serving drafter
+divides each confidence logit by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..engine import Engine
+from ..errors import UsageError
+from ..sampling import SamplingParams
+from ..scheduling.policies import FixedPolicy
+
+TEMPERATURE_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
+
+
+@dataclass
+class Rollouts:
+    """One row per verified block: raw confidence logits z [N, g] (nan beyond the drafted
+    length), draft length [N], accepted count [N], domain [N], prompt index [N]."""
+
+    z: np.ndarray
+    length: np.ndarray
+    accepted: np.ndarray
+    domain: np.ndarray
+    prompt: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def events(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows drafted at least k + 1 tokens, whether tokens 1..k+1 all survived) for 0-based k."""
+        rows = self.length > k
+        return rows, (self.accepted[rows] > k).astype(np.float64)
+
+
+class _Recorder(FixedPolicy):
+    """Fixed block; remembers each request's verified proposal so the caller can pair it with the
+    number of tokens the target accepted in the same step."""
+
+    name = "fixed"
+
+    def __init__(self, block: int):
+        super().__init__(block)
+        self.pending: list = []
+
+    def verify_lengths(self, requests, proposals):
+        for r, p in zip(requests, proposals):
+            if len(p) and p.confidences is not None:
+                self.pending.append((r, p.confidences.double().clone(), r.stats.num_accepted_tokens))
+        return super().verify_lengths(requests, proposals)
+
+
+def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, blocks: int, max_new_tokens: int = 256, concurrency: int = 16,
+            seed: int = 0, progress=None) -> Rollouts:
+    """Roll out token-id prompts (closed loop at ``concurrency``, temperature 1, seed + prompt index)
+    until ``blocks`` blocks were verified; prompts longer than 1,024 tokens are skipped."""
+    if getattr(drafter, "model", None) is None or getattr(drafter.model, "confidence", None) is None:
+        raise UsageError(f"drafter {drafter.name!r} has no confidence head to calibrate")
+    g = drafter.block_size
+    saved = drafter.temps
+    drafter.temps = torch.ones_like(saved)            # raw logits: z = logit(c)
+    keep = [i for i, p in enumerate(prompts) if 0 < len(p) <= 1024]
+    if not keep:
+        raise UsageError("no usable prompt (all empty or longer than 1,024 tokens)")
+    policy = _Recorder(g)
+    max_len = max(len(prompts[i]) for i in keep) + max_new_tokens + g + 2
+    engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len, block_size=g,
+                    eos_ids=target.eos_token_ids)
+    z, length, accepted, domain, prompt = [], [], [], [], []
+    queue, live = list(keep), []
+    try:
+        while (queue or live) and len(length) < blocks:
+            while queue and len(live) < concurrency:
+                i = queue.pop(0)
+                req = engine.add_request(prompts[i], SamplingParams(temperature=1.0, seed=seed + i), max_new_tokens)
+                live.append((req, i))
+            policy.pending.clear()
+            engine.step()
+            owner = {id(r): i for r, i in live}
+            for r, conf, before in policy.pending:
+                n = len(conf)
+                c = conf.clamp(1e-7, 1 - 1e-7)
+                row = np.full(g, np.nan)
+                row[:n] = torch.log(c / (1 - c)).numpy()
+                z.append(row)
+                length.append(n)
+                accepted.append(r.stats.num_accepted_tokens - before)
+                i = owner[id(r)]
+                domain.append(domains[i])
+                prompt.append(i)
+            if progress is not None:
+                progress(min(len(length), blocks))
+            live = [(r, i) for r, i in live if not r.done]
+    finally:
+        for r, _ in live:
+            engine.cancel(r)
+        drafter.temps = saved
+    if not length:
+        raise UsageError("the rollouts verified no block (prompts too long or max-new-tokens too small)")
+    return Rollouts(np.array(z), np.array(length), np.array(accepted), np.array(domain), np.array(prompt))
+
+
+# ------------------------------------------------------------------------------ metrics
+def ece(pred: np.ndarray, y: np.ndarray, bins: int = 20) -> float:
+    """Expected calibration error with equal-width bins on [0, 1]."""
+    if len(pred) == 0:
+        return float("nan")
+    idx = np.minimum((pred * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        m = idx == b
+        if m.any():
+            total += m.sum() * abs(y[m].mean() - pred[m].mean())
+    return total / len(pred)
+
+
+def auroc(pred: np.ndarray, y: np.ndarray) -> float:
+    """Area under the ROC curve (Mann-Whitney U, ties counted half); nan with one class only."""
+    from scipy.stats import rankdata
+    pos = y > 0.5
+    n1, n0 = int(pos.sum()), int((~pos).sum())
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    ranks = rankdata(pred)
+    return float((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def brier(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean((pred - y) ** 2)) if len(pred) else float("nan")
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def survivals(ro: Rollouts, temps) -> np.ndarray:
+    """Prefix survivals a [N, g] (nan beyond each block's length) under per-position temperatures."""
+    c = _sigmoid(ro.z / np.asarray(temps, dtype=np.float64)[None, :])
+    return np.cumprod(np.nan_to_num(c, nan=0.0), axis=1) + np.where(np.isnan(ro.z), np.nan, 0.0)
+
+
+def fit_sts(ro: Rollouts, bins: int = 20, grid=TEMPERATURE_GRID) -> list[float]:
+    """Sequential Temperature Scaling: T_k minimising the ECE of a_k, positions left to right."""
+    g = ro.z.shape[1]
+    temps: list[float] = []
+    prev = np.ones(len(ro))
+    for k in range(g):
+        rows, y = ro.events(k)
+        if not rows.any():
+            temps.append(1.0)
+            continue
+        zk, pk = ro.z[rows, k], prev[rows]
+        scores = [ece(pk * _sigmoid(zk / t), y, bins) for t in grid]
+        best = float(grid[int(np.argmin(scores))])
+        temps.append(best)
+        prev = prev * _sigmoid(np.nan_to_num(ro.z[:, k]) / best)
+    return temps
+
+
+def report(ro: Rollouts, temps, bins: int = 20) -> list[dict]:
+    """Per position: mean survival, ECE / AUROC / Brier of a_k before (T = 1) and after STS."""
+    before, after = survivals(ro, [1.0] * ro.z.shape[1]), survivals(ro, temps)
+    out = []
+    for k in range(ro.z.shape[1]):
+        rows, y = ro.events(k)
+        b, a = before[rows, k], after[rows, k]
+        out.append({"position": k + 1, "blocks": int(rows.sum()), "survival": float(y.mean()) if len(y) else 0.0,
+                    "temperature": float(temps[k]),
+                    "ece_before": ece(b, y, bins), "ece_after": ece(a, y, bins),
+                    "auroc_before": auroc(b, y), "auroc_after": auroc(a, y),
+                    "brier_before": brier(b, y), "brier_after": brier(a, y)})
+    return out
+
+
+def threshold_sweep(ro: Rollouts, temps, thresholds=None) -> dict:
+    """Per domain and threshold t: verify up to the first calibrated c_k < t; accepted and rejected
+    (verified but wasted) tokens per step and the acceptance rate of verified tokens."""
+    thresholds = np.linspace(0.0, 0.95, 20) if thresholds is None else np.asarray(thresholds)
+    c = _sigmoid(ro.z / np.asarray(temps)[None, :])
+    c = np.where(np.isnan(ro.z), -1.0, c)
+    out = {}
+    for dom in ["all"] + sorted(set(ro.domain.tolist())):
+        m = np.ones(len(ro), bool) if dom == "all" else ro.domain == dom
+        rows = []
+        for t in thresholds:
+            below = c[m] < t
+            verified = np.where(below.any(1), below.argmax(1), c.shape[1])
+            acc = np.minimum(ro.accepted[m], verified)
+            rows.append({"threshold": float(t), "accepted_per_step": float(acc.mean()),
+                         "rejected_per_step": float((verified - acc).mean()),
+                         "acceptance_rate": float(acc.sum() / verified.sum()) if verified.sum() else float("nan")})
+        out[dom] = rows
+    return out
+
+
+# ------------------------------------------------------------------------------ figures
+def plot_reliability(ro: Rollouts, temps, path, bins: int = 20) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    g = ro.z.shape[1]
+    shown = sorted({0, g // 3, (2 * g) // 3, g - 1})
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.4), squeeze=False)
+    for ax, k in zip(axes[0], shown):
+        rows, y = ro.events(k)
+        for label, t, style in (("before", [1.0] * g, "o--"), ("after STS", temps, "s-")):
+            a = survivals(ro, t)[rows, k]
+            idx = np.minimum((a * bins).astype(int), bins - 1)
+            xs = [a[idx == b].mean() for b in range(bins) if (idx == b).sum() >= 5]
+            ys = [y[idx == b].mean() for b in range(bins) if (idx == b).sum() >= 5]
+            ax.plot(xs, ys, style, ms=3, label=f"{label} (ECE {100 * ece(a, y, bins):.1f}%)")
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+        ax.set_title(f"position {k + 1}")
+        ax.set_xlabel("predicted prefix survival")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("observed survival")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(sweep: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    keys = (("accepted_per_step", "accepted tokens / step"), ("rejected_per_step", "rejected tokens / step"),
+            ("acceptance_rate", "acceptance rate"))
+    for dom, rows in sweep.items():
+        xs = [r["threshold"] for r in rows]
+        for ax, (key, label) in zip(axes, keys):
+            ax.plot(xs, [r[key] for r in rows], marker=".", label=dom, lw=2 if dom == "all" else 1)
+            ax.set_ylabel(label)
+            ax.set_xlabel("confidence threshold")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(rep: list[dict]) -> str:
+    def pct(x):
+        return "-" if x != x else f"{100 * x:.1f}%"
+
+    def f3(x):
+        return "-" if x != x else f"{x:.3f}"
+    lines = ["| position | blocks | survival | T | ECE before | ECE after | AUROC before | AUROC after | "
+             "Brier before | Brier after |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep:
+        lines.append(f"| {r['position']} | {r['blocks']} | {r['survival']:.3f} | {r['temperature']:.2f} | "
+                     f"{pct(r['ece_before'])} | {pct(r['ece_after'])} | {f3(r['auroc_before'])} | "
+                     f"{f3(r['auroc_after'])} | {f3(r['brier_before'])} | {f3(r['brier_after'])} |")
+    return "\n".join(lines)
+
+
+def split_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Prompt-disjoint fit / evaluation halves (alternating, so both see every domain)."""
+    if len(rows) < 2:
+        raise UsageError("calibration needs at least 2 held-out prompts")
+    return rows[0::2], rows[1::2]
+
