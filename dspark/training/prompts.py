@@ -20,7 +20,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from ..data import benchmark_names, load_prompts
+from ..data import benchmark_names, iter_jsonl, load_prompts
 from ..errors import DsparkError, UsageError
 
 DOMAINS = ("chat", "code", "math")
@@ -234,17 +234,10 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
     if not path.is_file():
         raise UsageError(f"prompts file {path} not found (run `dspark prepare` first)")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                if not isinstance(r.get("prompt"), str) or not r["prompt"].strip():
-                    raise ValueError("no prompt")
-            except (ValueError, AttributeError) as e:
-                raise DsparkError(f"{path}:{no}: not a prompt row ({e})") from None
-            r.setdefault("id", f"row-{no}")
-            r.setdefault("domain", "unknown")
-            rows.append(r)
+    for no, r in iter_jsonl(path, DsparkError):
+        if not isinstance(r, dict) or not isinstance(r.get("prompt"), str) or not r["prompt"].strip():
+            raise DsparkError(f"{path}:{no}: not a prompt row (needs a non-empty \"prompt\")")
+        r.setdefault("id", f"row-{no}")
+        r.setdefault("domain", "unknown")
+        rows.append(r)
     return rows

@@ -20,6 +20,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..data import iter_jsonl
 from ..errors import DsparkError, UsageError
 from ..sampling import SamplingParams
 from .prompts import read_prompts
@@ -171,13 +172,4 @@ def read_regenerated(path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path} not found (run `dspark regenerate` first)")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
-            if not line.endswith("\n"):
-                break          # a run still writing, or one that was killed: ignore the partial line
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                raise DsparkError(f"{path}:{no}: corrupt line") from None
-    return rows
+    return [row for _, row in iter_jsonl(path, DsparkError, complete_lines_only=True)]
