@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft tokens verified per request")
     pr.add_argument("--contexts", type=_int_list(1), default="128,512", help="context lengths")
     pr.add_argument("--repeats", type=_positive_int, default=5)
+    pr.add_argument("--temperature", type=_float, default=1.0,
+                    help="sampling temperature of the profiled steps (0 = greedy, cheaper)")
     pr.add_argument("--output", default=None, help="where to write the table (default: the user cache, "
                                                    "where the engine looks for it)")
     pr.add_argument("--plot", default=None, help="write a PNG of the curves here")
@@ -231,7 +233,7 @@ def cmd_profile(args) -> int:
     def progress(ctx, r, v, sec):
         print(f"context {ctx:>5}  requests {r:>3}  verified {v}: {1e3 * sec:.1f} ms/step", file=sys.stderr)
     table = prof.profile(target, drafter, prompts, args.requests, sorted(set(args.verified)), args.contexts,
-                         args.repeats, progress)
+                         args.repeats, progress, temperature=args.temperature)
     path = table.save(args.output)
     print(f"cost table written to {path}", file=sys.stderr)
     if args.plot:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +129,9 @@ def test_eval_json_has_tau_and_per_position_acceptance(target_fp32):
     (["eval", "--drafters", "eagle3", "--dataset", "gsm8k"], "dspark train --recipe eagle3"),
     (["eval", "--drafters", "ngram", "--dataset", "/nonexistent.jsonl"], "nonexistent"),
     (["prepare", "--mix", "chat=x"], "--mix"),
+    (["calibrate", "--prompts", "/nonexistent/heldout.jsonl"], "not found"),
+    (["calibrate", "--blocks", "0"], "--blocks"),
+    (["calibrate", "--drafter", "dflash", "--prompts", str(Path(__file__).parent / "_calib_prompts.jsonl")], "no confidence head"),
 ])
 def test_training_commands_bad_input_exit_2(args, needle, tmp_path):
     code, out, err = _run(args, env={"DSPARK_CACHE": str(tmp_path / "cache")} if args[0] == "eval" else None)

@@ -115,3 +115,22 @@ def test_async_capacity_recovers_after_a_step_that_drafted_nothing():
     pol.verify_lengths(reqs, empty)
     want = pol.draft_lengths(reqs, 3)            # ... must not pin K at 0: the default profile counts
     assert pol.capacity > 0 and want == [min(3, pol.capacity)] * 2
+
+
+@pytest.mark.parametrize("name", ["prefix", "async"])
+def test_drafting_pauses_while_it_does_not_pay_for_itself(name):
+    # drafting + verifying one token doubles the step; the drafts are never accepted: after one
+    # such step the policy stops drafting and only probes again every 8 steps
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    dear = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.1, 1.2], [1.4, 1.5, 1.6]]])
+    pol = make_policy(name, 3, cost_table=dear)
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(2)]
+    assert max(pol.draft_lengths(reqs, 3)) > 0                 # nothing measured yet: drafts
+    confident = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.99, 0.99, 0.99]))] * 2
+    pol.verify_lengths(reqs, confident)                        # drafted 3 each, then 0 accepted
+    plan = [max(pol.draft_lengths(reqs, 3)) for _ in range(8)]
+    assert pol.value < 1.0
+    assert plan[:7] == [0] * 7 and plan[7] > 0                 # paused, then one probe

@@ -43,3 +43,18 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     with pytest.raises(DsparkError, match="dspark profile"):
         sps.CostTable.find(table.key)
     assert sps.CostTable.find("no|such|table|key") is None
+
+
+def test_profile_runs_drafters_that_read_target_features():
+    # a trained drafter needs the engine to hand it the target's feature rows; the profiling wrapper
+    # must pass its feature layers on (it once hid them and the drafter fell out of step)
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny import tiny_drafter_model, tiny_target
+    from dspark.drafters.dspark import DSparkDrafter
+    decoder = tiny_target(scale=3.0)
+    target = Target("tiny", Path("tiny"), decoder, None)
+    drafter = DSparkDrafter(tiny_drafter_model(decoder, "dspark", "vanilla"), decoder)
+    table = prof.profile(target, drafter, [[1, 2, 3, 4]], requests=(1, 2), verified=(0, 1, 3), contexts=(8,),
+                        repeats=1)
+    assert all(s > 0 for c in table.seconds for r in c for s in r)

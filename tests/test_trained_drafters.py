@@ -124,3 +124,33 @@ def test_unknown_trained_name_says_how_to_build_it():
     target = tiny_target()
     with pytest.raises(UsageError, match="dspark train --recipe eagle3"):
         load_drafter("eagle3", as_target(target, "no-such-target"))
+
+
+@pytest.mark.parametrize("kind,head", [("dspark", "vanilla"), ("dspark", "rnn"), ("dflash", "none")])
+def test_serving_block_equals_the_training_forward(kind, head):
+    """What the drafter learns is what it serves: the block the serving path proposes (context cache
+    fed by the engine's feature rows, RoPE positions, sequential head, confidences) equals the
+    training forward (features of one full-sequence target forward, as the cache stores them) with
+    the drafted tokens as teacher-forced inputs."""
+    from dspark.drafters.base import DraftContext
+    target = tiny_target(scale=3.0)
+    model = tiny_drafter_model(target, kind, head, scale=2.0)
+    with torch.no_grad():
+        model.backbone.feature_scale.uniform_(0.5, 2.0)
+    drafter = DSparkDrafter(model, target)
+    ids = [1, 3, 2, 4, 0, 2, 1, 3, 4, 2]
+    a = 6                                                   # the anchor: ids[a] is not verified yet
+    kv = target.new_cache(1, 32)
+    slot = kv.allocate()
+    o = target(torch.tensor(ids), [(slot, len(ids))], kv, feature_layers=(0, 2), logits_rows=None)
+    feats = torch.cat(o.features, -1)
+    ctx = DraftContext(ids[:a + 1], SamplingParams(temperature=1.0), torch.Generator().manual_seed(3), 3,
+                       features=[feats[:3], feats[3:a]])   # handed over in two rounds, as the engine does
+    prop = drafter.propose([ctx])[0]
+    teacher = torch.tensor(ids[:a + 1] + prop.tokens.tolist())
+    with torch.no_grad():
+        _, logits, conf = model.forward_train(feats[:a], teacher, torch.tensor([a]))
+    for k in range(3):
+        assert torch.allclose(prop.probs[k], logits[0, k].softmax(-1), atol=1e-5), k
+        if conf is not None:
+            assert torch.allclose(prop.confidences[k], torch.sigmoid(conf[0, k]), atol=1e-5), k

@@ -168,43 +168,80 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True) 
 
 class _ProfiledPolicy(Policy):
     """Keeps the observed per-position acceptance profile (the survivals of drafters without
-    confidences, and the default for requests the async policy has no snapshot of)."""
+    confidences, and the default for requests the async policy has no snapshot of), and the
+    realised value of drafting: after each step that drafted, the tokens the requests actually
+    emitted per step, priced by the cost table at the drafted length, over what plain decoding
+    would have produced in the same time (an EMA). The policy's decisions inside a step cannot see
+    what drafting itself cost (it is paid before the confidences exist), so while that value is
+    below 1 drafting pauses, re-probed every ``probe_every`` steps."""
 
-    def __init__(self, cost_table=None, block: int | None = None):
+    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8, alpha: float = 0.3):
         self.cost = _CostModel(cost_table)
         self.block = block
         self.profile = _Profile(block or 7)
+        self.probe_every, self.alpha = probe_every, alpha
+        self.value: float | None = None     # EMA of realised drafting value (None: not measured yet)
+        self._pending = None                # (R, drafted per request, accepted counters, context)
+        self._paused = 0
 
     def _refresh(self, requests, block_size) -> int:
         cap = self.block or block_size
         if len(self.profile.tries) < cap:
             self.profile = _Profile(cap)
         self.profile.update(requests)
+        self._settle(requests)
         return cap
+
+    def _settle(self, requests) -> None:
+        p, self._pending = self._pending, None
+        if p is None or self.cost.table is None:
+            return
+        R, drafted, before, ctx = p
+        got = [r.stats.num_accepted_tokens - before[r.id] for r in requests if r.id in before]
+        if not got:
+            return
+        per_request = 1.0 + sum(got) / len(got)
+        ratio = per_request * self.cost.sps(R, R + R * drafted, ctx) / self.cost.sps(R, R, ctx)
+        self.value = ratio if self.value is None else (1 - self.alpha) * self.value + self.alpha * ratio
+
+    def _drafting_paused(self) -> bool:
+        """True while drafting has not paid for itself (one probe step every ``probe_every``)."""
+        if self.value is None or self.value >= 1.0:
+            self._paused = 0
+            return False
+        self._paused += 1
+        return self._paused % self.probe_every != 0
+
+    def _note_drafted(self, requests, proposals) -> None:
+        drafted = sum(len(p) for p in proposals)
+        if drafted:
+            self._pending = (len(requests), drafted / len(requests),
+                             {r.id: r.stats.num_accepted_tokens for r in requests}, _context(requests))
 
 
 class PrefixPolicy(_ProfiledPolicy):
     """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting is shortened
-    to one more than what the request verified last step, and skipped after a run of steps where
-    nothing was worth verifying (re-probed every ``probe_every`` steps): under heavy load the
-    engine then runs plain decoding instead of paying for drafts it would not verify."""
+    to one more than what the request verified last step, skipped after a run of steps where
+    nothing was worth verifying, and paused while drafting has not paid for itself (both re-probed
+    every ``probe_every`` steps): under heavy load, or with a drafter whose drafts cost more than
+    they return, the engine then runs plain decoding instead of paying for drafts."""
 
     name = "prefix"
 
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
-        super().__init__(cost_table, block)
-        self.probe_every = probe_every
+        super().__init__(cost_table, block, probe_every)
         self.idle_steps = 0          # consecutive steps that verified no draft (counted in verify_lengths)
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        if self.idle_steps and self.idle_steps % self.probe_every:
+        if self._drafting_paused() or (self.idle_steps and self.idle_steps % self.probe_every):
             return [0] * len(requests)
         return [min(cap, r.ctx.state.get("_last_verified", cap - 1) + 2) for r in requests]
 
     def verify_lengths(self, requests, proposals):
         if not requests:
             return []
+        self._note_drafted(requests, proposals)
         prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
         ctx = _context(requests)
@@ -225,14 +262,14 @@ class AsyncPolicy(_ProfiledPolicy):
 
     name = "async"
 
-    def __init__(self, cost_table=None, block: int | None = None, lag: int = 2):
-        super().__init__(cost_table, block)
+    def __init__(self, cost_table=None, block: int | None = None, lag: int = 2, probe_every: int = 8):
+        super().__init__(cost_table, block, probe_every)
         self.history: deque = deque(maxlen=lag)
         self.capacity = 0
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        self.capacity = self._capacity(requests, cap)
+        self.capacity = 0 if self._drafting_paused() else self._capacity(requests, cap)
         # no request can be granted more than K tokens: draft no deeper than that
         return [min(cap, self.capacity)] * len(requests)
 
@@ -261,6 +298,7 @@ class AsyncPolicy(_ProfiledPolicy):
         return best_k
 
     def verify_lengths(self, requests, proposals):
+        self._note_drafted(requests, proposals)
         prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
         self.history.append({r.id: s for r, s in zip(requests, surv)})
