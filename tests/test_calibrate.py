@@ -19,7 +19,7 @@ def _synthetic(n=20000, g=5, over=3.0, seed=0):
     ok = rng.random((n, g)) < 1 / (1 + np.exp(-u))
     accepted = np.where(ok.all(1), g, (~ok).argmax(1))
     return cal.Rollouts(z=over * u, length=np.full(n, g), accepted=accepted,
-                        domain=np.array(["math", "code"] * (n // 2)), prompt=np.arange(n) // 50)
+                        domain=np.array(["math", "code"] * (n // 2)))
 
 
 def test_metrics_against_hand_computed_values():
@@ -56,7 +56,7 @@ def test_calibrated_head_keeps_temperature_one():
 
 def test_survivals_are_cumulative_products_and_stop_at_the_drafted_length():
     ro = cal.Rollouts(z=np.array([[0.0, 0.0, np.nan]]), length=np.array([2]), accepted=np.array([1]),
-                      domain=np.array(["x"]), prompt=np.array([0]))
+                      domain=np.array(["x"]))
     a = cal.survivals(ro, [1.0, 1.0, 1.0])
     assert a[0, 0] == pytest.approx(0.5) and a[0, 1] == pytest.approx(0.25) and np.isnan(a[0, 2])
     rows, y = ro.events(1)
@@ -66,7 +66,7 @@ def test_survivals_are_cumulative_products_and_stop_at_the_drafted_length():
 
 def test_threshold_sweep_counts_verified_accepted_and_rejected_tokens():
     ro = cal.Rollouts(z=np.array([[2.0, -2.0, 2.0], [2.0, 2.0, 2.0]]), length=np.array([3, 3]),
-                      accepted=np.array([3, 1]), domain=np.array(["a", "b"]), prompt=np.array([0, 1]))
+                      accepted=np.array([3, 1]), domain=np.array(["a", "b"]))
     sw = cal.threshold_sweep(ro, [1.0, 1.0, 1.0], thresholds=[0.0, 0.5, 0.99])
     t0, t5, t99 = sw["all"]
     assert t0["accepted_per_step"] == pytest.approx(2.0) and t0["rejected_per_step"] == pytest.approx(1.0)

@@ -32,13 +32,12 @@ TEMPERATURE_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0
 @dataclass
 class Rollouts:
     """One row per verified block: raw confidence logits z [N, g] (nan beyond the drafted
-    length), draft length [N], accepted count [N], domain [N], prompt index [N]."""
+    length), draft length [N], accepted count [N], domain [N]."""
 
     z: np.ndarray
     length: np.ndarray
     accepted: np.ndarray
     domain: np.ndarray
-    prompt: np.ndarray
 
     def __len__(self) -> int:
         return len(self.length)
@@ -82,7 +81,7 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
     max_len = max(len(prompts[i]) for i in keep) + max_new_tokens + g + 2
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len, block_size=g,
                     eos_ids=target.eos_token_ids)
-    z, length, accepted, domain, prompt = [], [], [], [], []
+    z, length, accepted, domain = [], [], [], []
     queue, live = list(keep), []
     try:
         while (queue or live) and len(length) < blocks:
@@ -103,7 +102,6 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
                 accepted.append(r.stats.num_accepted_tokens - before)
                 i = owner[id(r)]
                 domain.append(domains[i])
-                prompt.append(i)
             if progress is not None:
                 progress(min(len(length), blocks))
             live = [(r, i) for r, i in live if not r.done]
@@ -113,7 +111,7 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
         drafter.temps = saved
     if not length:
         raise UsageError("the rollouts verified no block (prompts too long or max-new-tokens too small)")
-    return Rollouts(np.array(z), np.array(length), np.array(accepted), np.array(domain), np.array(prompt))
+    return Rollouts(np.array(z), np.array(length), np.array(accepted), np.array(domain))
 
 
 # ------------------------------------------------------------------------------ metrics
