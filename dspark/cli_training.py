@@ -115,6 +115,9 @@ def add_parsers(sub, h) -> None:
     e.add_argument("--markdown", default=None, help="write the tau table here")
     e.add_argument("--plot", default=None, help="write the conditional-acceptance PNG here")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="compare drafters from earlier `dspark eval --json` outputs (files holding that "
+                        "JSON as their last line) instead of running: same settings required")
     h._add_model_flags(e)
     e.set_defaults(threads=2)
 
@@ -223,21 +226,32 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _read_eval_json(path: str) -> dict:
+    try:
+        lines = Path(path).read_text().strip().splitlines()
+        return json.loads(lines[-1])
+    except (OSError, IndexError, ValueError) as e:
+        raise UsageError(f"--merge {path}: not a `dspark eval --json` output ({e})") from None
+
+
 def cmd_eval(args) -> int:
-    from .drafters import load_drafter
     from .evaluation import acceptance
-    from .runtime.loading import load_target
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
-    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    if not names:
-        raise UsageError("--drafters: give at least one drafter")
-    from .data import benchmark_names
-    datasets = args.dataset or benchmark_names()
-    drafters = {n: load_drafter(n, target, block_size=args.block) for n in names}
-    out = acceptance.evaluate(target, drafters, datasets, num_prompts=args.num_prompts,
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              seed=args.seed, block=args.block, concurrency=args.concurrency,
-                              log=lambda m: print(m, file=sys.stderr))
+    if args.merge:
+        out = acceptance.merge([_read_eval_json(p) for p in args.merge])
+    else:
+        from .drafters import load_drafter
+        from .runtime.loading import load_target
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        names = [d.strip() for d in args.drafters.split(",") if d.strip()]
+        if not names:
+            raise UsageError("--drafters: give at least one drafter")
+        from .data import benchmark_names
+        datasets = args.dataset or benchmark_names()
+        drafters = {n: load_drafter(n, target, block_size=args.block) for n in names}
+        out = acceptance.evaluate(target, drafters, datasets, num_prompts=args.num_prompts,
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  seed=args.seed, block=args.block, concurrency=args.concurrency,
+                                  log=lambda m: print(m, file=sys.stderr))
     table = acceptance.markdown(out)
     print(table, file=sys.stderr)
     for c in out["ratios"]:

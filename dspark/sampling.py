@@ -70,11 +70,32 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits.softmax(-1)
 
 
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i of ``probs`` [n, V] at uniform u[i] in [0, 1): the token whose CDF interval holds it
+    (tokens of probability 0 have empty intervals and are never drawn). One cumulative sum and a
+    binary search per row: cheaper over a large vocabulary than torch.multinomial's exponential
+    race. The sum runs in fp64 so that each token's interval keeps its fp32 probability (an fp32
+    running sum near 1 would round away probabilities below ~1e-7)."""
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs`` ([..., V] fp32) -> [...] long."""
     flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+    dev = generator.device if generator is not None else "cpu"
+    u = torch.rand(flat.shape[0], generator=generator, device=dev).to(flat.device)
+    return _inverse_cdf(flat, u).reshape(probs.shape[:-1])
+
+
+def sample_rows(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One token per row of ``probs`` [n, V] (fp32), row i drawn with ``generators[i]``, so a batch
+    of requests samples in one vectorised pass and each request's tokens still depend only on its
+    own random stream."""
+    u = torch.stack([torch.rand((), generator=g, device=g.device if g is not None else "cpu")
+                     for g in generators]).to(probs.device)
+    return _inverse_cdf(probs, u)
 
 
 def sample_from_logits(logits: torch.Tensor, params: SamplingParams,

@@ -102,7 +102,7 @@ def test_damaged_cache_copy_is_rebuilt(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path)
 
 
-def test_eval_json_has_tau_and_per_position_acceptance(target_fp32):
+def test_eval_json_has_tau_and_per_position_acceptance(target_fp32, tmp_path):
     code, out, err = _run(["eval", "--drafters", "ngram,cut:20", "--dataset", "gsm8k", "humaneval",
                            "--num-prompts", "2", "--max-new-tokens", "24", "--temperature", "0",
                            "--block", "3", "--dtype", "fp32", "--json"])
@@ -118,6 +118,34 @@ def test_eval_json_has_tau_and_per_position_acceptance(target_fp32):
         assert all(0 <= x <= 1 for x in u) and u == sorted(u, reverse=True)   # prefix survival decays
     assert res["greedy_identity_vs_ngram"]["cut:20"] == 1.0    # greedy: every drafter, the same text
     assert {c["drafter"] for c in res["ratios"]} == {"ngram", "cut:20"}
+    _check_merge(res, tmp_path)
+
+
+def _check_merge(res, tmp_path):
+    """Drafters evaluated in separate runs compare afterwards as if side by side."""
+    paths = []
+    for name in ("ngram", "cut:20"):
+        part = {"settings": res["settings"], "results": [r for r in res["results"] if r["drafter"] == name]}
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text("log line\n" + json.dumps(part) + "\n")
+    code, out, err = _run(["eval", "--merge", *map(str, paths), "--json"])
+    assert code == 0, err
+    merged = json.loads(out.strip().splitlines()[-1])
+    assert merged["macro_tau"] == pytest.approx(res["macro_tau"])
+    assert len(merged["ratios"]) == len(res["ratios"])
+    for m, c in zip(merged["ratios"], res["ratios"]):
+        assert (m["drafter"], m["over"]) == (c["drafter"], c["over"])
+        assert m["ratio"] == pytest.approx(c["ratio"]) and m["ci95"] == pytest.approx(c["ci95"])
+    other = json.loads(paths[1].read_text().splitlines()[-1])
+    other["settings"]["temperature"] = 1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(other))
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    for args, needle in (([paths[0], bad], "different settings"), ([paths[0], paths[0]], "twice"),
+                         ([garbage], "not a `dspark eval --json` output")):
+        code, _, err = _run(["eval", "--merge", *map(str, args)])
+        assert code == 2 and needle in err, err
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -31,6 +31,22 @@ def test_speed_bench_json(capsys):
     assert main(["bench", "speed", "--systems", "warp-drive"]) == 2
 
 
+def test_speed_bench_trained_drafter_with_policy(capsys, monkeypatch):
+    """A trained drafter runs under a named verification policy, compared with our plain decoding."""
+    code = main(["bench", "speed", "--systems", "plain,dspark@ema", "--datasets", "gsm8k",
+                 "--num-prompts", "1", "--max-new-tokens", "8", "--json"])
+    assert code == 0
+    rows = {r["system"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]}
+    assert rows["dspark@ema"]["greedy_identity_rate"] == 1.0
+    assert rows["dspark@ema"]["speedup_vs_own_plain"] > 0
+    for bad in ("dspark@warp", "ngram@prefix", "dspark@"):
+        assert main(["bench", "speed", "--systems", bad]) == 2
+    from dspark.scheduling.sps import CostTable
+    monkeypatch.setattr(CostTable, "find", classmethod(lambda cls, key: None))
+    assert main(["bench", "speed", "--systems", "dspark@prefix", "--num-prompts", "1"]) == 2
+    assert "dspark profile" in capsys.readouterr().err
+
+
 def test_concurrency_bench_json(capsys, tmp_path):
     png = tmp_path / "pareto.png"
     code = main(["bench", "concurrency", "--concurrency", "1,3", "--policies", "plain,mtp1,fixed",

@@ -46,3 +46,38 @@ def test_seeded_generator_repeats():
 def test_bad_settings_are_usage_errors(kwargs):
     with pytest.raises(UsageError):
         SamplingParams(**kwargs)
+
+
+def _chi2_pvalue(counts, probs):
+    from scipy.stats import chisquare
+    keep = probs > 0
+    n = counts.sum()
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    return chisquare(counts[keep], probs[keep] / probs[keep].sum() * n).pvalue
+
+
+def test_sample_rows_matches_each_rows_distribution():
+    """Batched inverse-CDF sampling: each row's tokens follow that row's probabilities (chi-square,
+    20k seeded draws per row, zero-probability tokens never drawn); a sampler that draws every row
+    from the first row's distribution fails the same test."""
+    from dspark.sampling import sample_rows
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0, 0.0],
+                           [-1.0, 0.0, 3.0, 0.2, -0.5, 1.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    probs = torch.stack([probs_from_logits(logits[0], SamplingParams(top_k=3)),
+                         probs_from_logits(logits[1], SamplingParams(top_p=0.8)),
+                         probs_from_logits(logits[2], SamplingParams())])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    n = 20_000
+    draws = torch.stack([sample_rows(probs, gens) for _ in range(n)])     # [n, 3]
+    for i in range(3):
+        counts = torch.bincount(draws[:, i], minlength=6).double()
+        assert _chi2_pvalue(counts.numpy(), probs[i].double().numpy()) > 1e-3
+    biased = torch.bincount(draws[:, 1], minlength=6).double().numpy()
+    with pytest.raises(AssertionError):    # row 1's draws are not row 0's distribution
+        assert _chi2_pvalue(biased, probs[0].double().numpy()) > 1e-3
+    # each row depends only on its own generator: the same seed gives the same tokens in any batch
+    solo = sample_rows(probs[1:2], [torch.Generator().manual_seed(7)])
+    batch = sample_rows(probs, [torch.Generator().manual_seed(9), torch.Generator().manual_seed(7),
+                                torch.Generator().manual_seed(9)])
+    assert int(solo[0]) == int(batch[1])

@@ -27,7 +27,8 @@ from torch import nn
 
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
-from ..sampling import probs_from_logits, sample
+from ..runtime.model import serve_fast
+from ..sampling import probs_from_logits, sample_rows
 from .backbone import Backbone, packed_block_mask
 from .base import DraftContext, Drafter, Proposal
 from .config import DrafterConfig
@@ -146,7 +147,7 @@ class DSparkDrafter(Drafter):
 
     def __init__(self, model: DSparkModel, target, name: str | None = None, block_size: int | None = None):
         c = model.config
-        self.model = model.eval()
+        self.model = serve_fast(model.eval())   # few-row products on the fast CPU path
         self.config = c
         self.name = name or c.kind
         self.block_size = block_size or c.block_size
@@ -258,10 +259,17 @@ class DSparkDrafter(Drafter):
         prev = m.t2d[torch.tensor([c.tokens[-1] for c in active], device=self.device)]
         state = m.head.init_state(R, h[:, 0]) if m.head is not None else None
         V = self.config.vocab_size
-        toks = torch.empty(R, steps, dtype=torch.long)
-        probs = torch.zeros(R, steps, V)
-        confs = torch.ones(R, steps)
         vocab = m.draft_vocab
+        # requests with the same sampling settings sample together (one vectorised pass per group)
+        groups: dict = {}
+        for i, c in enumerate(active):
+            groups.setdefault((c.params.temperature, c.params.top_k, c.params.top_p), []).append(i)
+        groups = [(active[rows[0]].params, torch.tensor(rows), [active[i].generator for i in rows])
+                  for rows in groups.values()]
+        dev = U.device
+        toks = torch.empty(R, steps, dtype=torch.long, device=dev)   # draft-vocabulary indices
+        pd = torch.empty(R, steps, vocab.numel(), device=dev)         # draft-vocabulary probabilities
+        confs = torch.ones(R, steps, device=dev)
         for k in range(steps):
             logits = U[:, k]
             e = None
@@ -270,13 +278,14 @@ class DSparkDrafter(Drafter):
                 logits = logits + bias.float()
             if m.confidence is not None:
                 confs[:, k] = torch.sigmoid(m.confidence(h[:, k], e).float() / self.temps[k])
-            for i, c in enumerate(active):
-                p = probs_from_logits(logits[i], c.params)
-                t = int(p.argmax()) if c.params.greedy else int(sample(p, c.generator))
-                toks[i, k] = t
-                probs[i, k, vocab] = p
-            prev = toks[:, k].clone()
-            toks[:, k] = vocab[toks[:, k]]
+            for params, rows, gens in groups:
+                p = probs_from_logits(logits[rows], params)
+                toks[rows, k] = p.argmax(-1) if params.greedy else sample_rows(p, gens)
+                pd[rows, k] = p
+            prev = toks[:, k]
+        probs = torch.zeros(R, steps, V, device=dev)
+        probs[:, :, vocab] = pd
+        toks = vocab[toks]
         for i, c in enumerate(active):
             n = min(c.num_draft, steps)
             results[id(c)] = Proposal(toks[i, :n].clone(), probs[i, :n].clone(), confs[i, :n].clone())

@@ -8,6 +8,8 @@ P(tokens 1..k all accepted) (prefix survival), conditional = P(token k accepted 
 Each prompt is its own request with its own seed (seed + prompt index), so drafters see the same
 prompts and, at temperature 0, produce the same text. Ratios of macro taus (mean over benchmarks)
 come with a 95 % bootstrap interval over prompts (paired: the same resampled prompts for both).
+Each result keeps its per-prompt counters, so drafters evaluated in separate runs with the same
+settings can be compared afterwards (``merge``, ``dspark eval --merge A.json B.json``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import random
 
 from ..api import encode_prompt
 from ..data import load_prompts
+from ..errors import UsageError
 from ..engine import Engine
 from ..sampling import SamplingParams
 from ..scheduling.policies import FixedPolicy
@@ -52,7 +55,11 @@ def summarize(per_prompt: list[dict], block: int) -> dict:
 
 
 def macro_tau(per_bench: dict[str, list[dict]]) -> float:
-    taus = [summarize(v, 1)["tau"] for v in per_bench.values()]
+    """Mean over benchmarks of tau = 1 + accepted drafts / rounds (per-prompt counters summed)."""
+    taus = []
+    for per in per_bench.values():
+        rounds = sum(p["rounds"] for p in per)
+        taus.append(1 + sum(p["accepted"] for p in per) / rounds if rounds else 0.0)
     return sum(taus) / len(taus)
 
 
@@ -84,20 +91,15 @@ def evaluate(target, drafters: dict, datasets: list[str], *, num_prompts: int, m
             per = run_drafter(target, drafter, prompts[d], max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed, block=block, concurrency=concurrency)
             raw[name][d] = per
-            row = {"drafter": name, "benchmark": d, "temperature": temperature, **summarize(per, block)}
+            row = {"drafter": name, "benchmark": d, "temperature": temperature, **summarize(per, block),
+                   "per_prompt": [{"rounds": p["rounds"], "accepted": p["accepted"]} for p in per]}
             results.append(row)
             if log:
                 log(f"{d:>14} {name:>12}: tau {row['tau']:.3f}")
-    out = {"results": results,
-           "macro_tau": {name: macro_tau(raw[name]) for name in drafters}}
+    settings = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "seed": seed, "block": block}
+    out = {"settings": settings, "results": results, **compare(raw, seed)}
     names = list(drafters)
-    comps = []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            for x, y in ((a, b), (b, a)):
-                r, lo, hi = bootstrap_ratio(raw[x], raw[y], seed=seed)
-                comps.append({"drafter": x, "over": y, "ratio": r, "ci95": [lo, hi]})
-    out["ratios"] = comps
     if temperature == 0 and len(names) > 1:
         ident = {}
         for name in names[1:]:
@@ -106,6 +108,46 @@ def evaluate(target, drafters: dict, datasets: list[str], *, num_prompts: int, m
             ident[name] = same / sum(len(raw[name][d]) for d in datasets)
         out[f"greedy_identity_vs_{names[0]}"] = ident
     return out
+
+
+def compare(raw: dict[str, dict[str, list[dict]]], seed: int = 0) -> dict:
+    """Macro tau per drafter and every pairwise ratio with its bootstrap interval."""
+    names = list(raw)
+    comps = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            for x, y in ((a, b), (b, a)):
+                r, lo, hi = bootstrap_ratio(raw[x], raw[y], seed=seed)
+                comps.append({"drafter": x, "over": y, "ratio": r, "ci95": [lo, hi]})
+    return {"macro_tau": {name: macro_tau(raw[name]) for name in names}, "ratios": comps}
+
+
+def merge(outs: list[dict]) -> dict:
+    """Several ``dspark eval --json`` outputs as one comparison (drafters evaluated in separate runs
+    with the same settings and benchmarks); ratios are recomputed from the per-prompt counters."""
+    if not outs:
+        raise UsageError("nothing to merge")
+    settings = outs[0].get("settings")
+    raw: dict[str, dict[str, list[dict]]] = {}
+    results = []
+    for o in outs:
+        if "settings" not in o or any("per_prompt" not in r for r in o.get("results", [])):
+            raise UsageError("an eval output without settings or per-prompt counters (written by an older "
+                             "dspark eval): rerun it")
+        if o["settings"] != settings:
+            raise UsageError(f"eval outputs with different settings cannot be compared: {o['settings']} "
+                             f"vs {settings}")
+        for r in o["results"]:
+            if r["benchmark"] in raw.get(r["drafter"], {}):
+                raise UsageError(f"{r['drafter']} on {r['benchmark']} appears twice")
+            raw.setdefault(r["drafter"], {})[r["benchmark"]] = r["per_prompt"]
+            results.append(r)
+    benches = {name: sorted(v) for name, v in raw.items()}
+    first = next(iter(benches.values()))
+    for name, b in benches.items():
+        if b != first:
+            raise UsageError(f"{name} was evaluated on {b}, others on {first}")
+    return {"settings": settings, "results": results, **compare(raw, settings["seed"])}
 
 
 def markdown(out: dict) -> str:

@@ -24,6 +24,8 @@ from ..errors import UsageError
 from ..generation import generate_ids
 from ..runtime.loading import load_hf, load_target
 from ..sampling import SamplingParams
+from ..scheduling.policies import make_policy
+from ..scheduling.sps import CostTable, table_key_for
 
 ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-hf-rule", "llama.cpp-plain",
                "llama.cpp-prompt-lookup")
@@ -32,7 +34,7 @@ TRAINED_SYSTEMS = ("dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
 # ngram-hf-rule: our engine with HF's lookup rule (earliest match of a 2-gram, else 1-gram, 10
 # tokens), to compare lookup rules on the same text
 BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule": "plain",
-               "llama.cpp-prompt-lookup": "llama.cpp-plain", **{t: "plain" for t in TRAINED_SYSTEMS}}
+               "llama.cpp-prompt-lookup": "llama.cpp-plain"}   # trained drafters (with any @policy): plain
 
 
 @dataclass
@@ -85,12 +87,23 @@ def _hf_system(path, eos, max_new, lookup: int | None, temperature: float = 0.0,
     return run
 
 
-def _ours_system(target, drafter, max_new, eos, temperature: float = 0.0, seed: int = 0):
+def _ours_system(target, drafter, max_new, eos, temperature: float = 0.0, seed: int = 0, policy=None):
+    """``policy``: a function returning a fresh verification policy per call (default: fixed)."""
     def run(ids):
         params = SamplingParams(temperature=temperature, seed=seed)
-        new, stats = generate_ids(target.model, ids, params, max_new, drafter, eos_ids=eos)
+        new, stats = generate_ids(target.model, ids, params, max_new, drafter, eos_ids=eos,
+                                  policy=policy() if policy else None)
         return new, stats.seconds, stats.num_rounds
     return run
+
+
+def _policy_factory(name: str, target, drafter):
+    """Fresh policies by name; the cost-table policies need this machine's profile of the drafter."""
+    table = CostTable.find(table_key_for(target, drafter))
+    if name in ("prefix", "async") and table is None:
+        raise UsageError(f"policy {name} needs the cost table of {drafter.name}: run "
+                         f"`dspark profile --drafter {drafter.name}` first")
+    return lambda: make_policy(name, drafter.block_size, cost_table=table)
 
 
 def _llama_cpp_system(gguf_path, eos, max_new, lookup: int | None):
@@ -130,9 +143,14 @@ def _llama_cpp_system(gguf_path, eos, max_new, lookup: int | None):
 def run_speed_bench(args) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     systems = list(ALL_SYSTEMS) if not args.systems else [s.strip() for s in args.systems.split(",")]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS + TRAINED_SYSTEMS]
+    unknown = [s for s in systems if s.partition("@")[0] not in ALL_SYSTEMS + TRAINED_SYSTEMS
+               or ("@" in s and s.partition("@")[0] not in TRAINED_SYSTEMS)]
     if unknown:
-        raise UsageError(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS + TRAINED_SYSTEMS)}")
+        raise UsageError(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS + TRAINED_SYSTEMS)} "
+                         f"(a trained drafter may name its verification policy: dspark@prefix)")
+    for s in systems:
+        if "@" in s:
+            make_policy(s.partition("@")[2])   # validates the policy name before loading anything
     temp, seed = args.temperature, args.seed
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     tok = target.tokenizer
@@ -155,9 +173,11 @@ def run_speed_bench(args) -> int:
         elif s == "ngram-hf-rule":
             hf_rule = NgramDrafter(block_size=10, max_ngram=2, weak_match_tokens=10, rule="first")
             runners[s] = _ours_system(target, hf_rule, max_new, eos, temp, seed)
-        elif s in TRAINED_SYSTEMS:
-            runners[s] = _ours_system(target, load_drafter(s, target, block_size=args.num_draft), max_new, eos,
-                                      temp, seed)
+        elif s.partition("@")[0] in TRAINED_SYSTEMS:
+            name, _, pol = s.partition("@")
+            drafter = load_drafter(name, target, block_size=args.num_draft)
+            runners[s] = _ours_system(target, drafter, max_new, eos, temp, seed,
+                                      _policy_factory(pol, target, drafter) if pol else None)
         else:
             if not target.path.is_file():
                 skipped[s] = "llama.cpp needs a GGUF target"
@@ -204,7 +224,7 @@ def run_speed_bench(args) -> int:
 def _report(results, datasets, args, skipped) -> dict:
     rows = []
     for s, r in results.items():
-        base = results.get(BASELINE_OF.get(s, s))
+        base = results.get(BASELINE_OF.get(s, "plain" if s.partition("@")[0] in TRAINED_SYSTEMS else s))
         identical = None
         if base is not None and base is not r and args.temperature == 0:
             identical = sum(a == b for a, b in zip(r.outputs, base.outputs)) / len(r.outputs)

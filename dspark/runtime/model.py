@@ -94,6 +94,24 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return F.linear(x, w, b)
 
 
+class FastLinear(torch.nn.Linear):
+    """``nn.Linear`` on ``_linear``'s path for 2-D inputs (rows are returned contiguous)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias).contiguous()
+
+
+def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
+    """Put every ``nn.Linear`` of a drafter built for training on the serving path in place (same
+    weights and parameter names; only how few-row products run changes)."""
+    for m in module.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = FastLinear
+    return module
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                scale: float) -> torch.Tensor:
     """q [n, H, hd] against one request's cache k, v [Hkv, S, hd] -> [n, H * hd].
