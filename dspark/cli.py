@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--systems", default=None,
                    help="comma list (default: all available): hf-plain, hf-prompt-lookup, plain, "
                         "ngram, ngram-hf-rule, llama.cpp-plain, llama.cpp-prompt-lookup; also the "
-                        "trained drafters dspark, dflash, dflash-5, eagle3, dspark-rnn, each optionally "
-                        "with its verification policy: dspark@prefix (default: the whole block)")
+                        "trained drafters dspark, dflash, dflash-5, eagle3, dspark-rnn; ngram and the trained "
+                        "ones may name their verification policy: dspark@prefix (default: the whole block)")
     s.add_argument("--num-draft", type=_int, default=None, help="drafted tokens per round (default: "
                                                                   "10 for ngram, the block size of trained drafters)")
     s.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (identity is reported)")

@@ -133,6 +133,12 @@ def add_parsers(sub, h) -> None:
     cb.add_argument("--sweep", default=None, help="write the threshold-sweep PNG here")
     cb.add_argument("--markdown", default=None, help="write the per-position table here")
     cb.add_argument("--no-save", action="store_true", help="report only; leave the drafter's config as is")
+    cb.add_argument("--shift", action="store_true",
+                    help="also fit a logit shift per position (c = sigmoid(z / T + b)): for a head that is "
+                         "over- or under-confident by a constant, which no temperature removes; off: the "
+                         "paper's STS")
+    cb.add_argument("--rollouts", default=None, metavar="NPZ",
+                    help="reuse the rollouts in this file if it exists (same drafter), else record them there")
     cb.add_argument("--json", action="store_true")
     h._add_model_flags(cb)
     cb.set_defaults(threads=2)
@@ -278,34 +284,49 @@ def cmd_calibrate(args) -> int:
     drafter = load_drafter(args.drafter, target)
     folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
     from .api import encode_prompt
-    splits = {}
-    for name, part in (("fit", fit_rows), ("eval", eval_rows)):
-        prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in part]
-        with tqdm(total=args.blocks, desc=f"rollouts ({name})", unit="block", file=sys.stderr) as bar:
-            splits[name] = cal.collect(target, drafter, prompts, [r["domain"] for r in part], blocks=args.blocks, max_new_tokens=args.max_new_tokens,
-                                       concurrency=args.concurrency, seed=args.seed,
-                                       progress=lambda n: bar.update(n - bar.n))
-    temps = cal.fit_sts(splits["fit"], args.bins)
-    rep = cal.report(splits["eval"], temps, args.bins)
+    meta = {"drafter": str(folder), "block_size": drafter.block_size, "blocks": args.blocks,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+    if args.rollouts and Path(args.rollouts).is_file():
+        splits, saved = cal.load_rollouts(args.rollouts)
+        if saved.get("drafter") != meta["drafter"] or saved.get("block_size") != meta["block_size"]:
+            raise UsageError(f"--rollouts {args.rollouts} was recorded with drafter {saved.get('drafter')}, "
+                             f"not {meta['drafter']}: pass another path to record new rollouts")
+        print(f"reusing the rollouts in {args.rollouts}", file=sys.stderr)
+    else:
+        splits = {}
+        for name, part in (("fit", fit_rows), ("eval", eval_rows)):
+            prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in part]
+            with tqdm(total=args.blocks, desc=f"rollouts ({name})", unit="block", file=sys.stderr) as bar:
+                splits[name] = cal.collect(target, drafter, prompts, [r["domain"] for r in part], blocks=args.blocks,
+                                           max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
+                                           seed=args.seed, progress=lambda n: bar.update(n - bar.n))
+        if args.rollouts:
+            cal.save_rollouts(args.rollouts, splits, meta)
+    if args.shift:
+        temps, shifts = cal.fit_sts_shift(splits["fit"], args.bins)
+    else:
+        temps, shifts = cal.fit_sts(splits["fit"], args.bins), None
+    rep = cal.report(splits["eval"], temps, args.bins, shifts)
     table = cal.markdown(rep)
     print(table, file=sys.stderr)
-    sweep = cal.threshold_sweep(splits["eval"], temps)
+    sweep = cal.threshold_sweep(splits["eval"], temps, shifts=shifts)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     if args.reliability:
-        cal.plot_reliability(splits["eval"], temps, args.reliability, args.bins)
+        cal.plot_reliability(splits["eval"], temps, args.reliability, args.bins, shifts)
     if args.sweep:
         cal.plot_sweep(sweep, args.sweep)
     if not args.no_save and folder is not None:
         cfg = drafter.model.config
         cfg.sts_temperatures = [round(t, 4) for t in temps]
+        cfg.sts_shifts = [round(b, 4) for b in shifts] if shifts is not None else None
         try:
             cfg.save(folder)
         except OSError as e:
             raise UsageError(f"cannot write {folder}/config.json ({e}); rerun with --no-save") from None
         print(f"saved STS temperatures to {folder}/config.json", file=sys.stderr)
     if args.json:
-        print(json.dumps({"drafter": str(folder), "temperatures": temps,
+        print(json.dumps({"drafter": str(folder), "temperatures": temps, "shifts": shifts,
                           "blocks": {k: len(v) for k, v in splits.items()}, "positions": rep, "sweep": sweep}))
     return 0
 

@@ -48,6 +48,51 @@ def test_sts_recovers_the_overconfidence_and_calibrates_every_position():
     assert [r["position"] for r in rep] == [1, 2, 3, 4, 5]
 
 
+def _shifted(n=20000, g=4, shift=-1.0, seed=0):
+    """Rollouts whose true conditional acceptance is sigmoid(u_k + shift) while the head reports
+    z_k = u_k: overconfident by a constant, which no temperature removes."""
+    rng = np.random.default_rng(seed)
+    u = rng.normal(-0.5, 1.0, size=(n, g))
+    ok = rng.random((n, g)) < 1 / (1 + np.exp(-(u + shift)))
+    accepted = np.where(ok.all(1), g, (~ok).argmax(1))
+    return cal.Rollouts(z=u, length=np.full(n, g), accepted=accepted, domain=np.array(["chat"] * n))
+
+
+def test_shift_removes_a_constant_overconfidence_that_temperatures_cannot():
+    fit, ev = _shifted(seed=0), _shifted(seed=1)
+    sts = cal.report(ev, cal.fit_sts(fit))
+    temps, shifts = cal.fit_sts_shift(fit)
+    assert shifts[0] == pytest.approx(-1.0, abs=0.15) and temps[0] == pytest.approx(1.0, rel=0.2)
+    rep = cal.report(ev, temps, shifts=shifts)
+    assert sts[0]["ece_after"] > 0.03                       # temperature alone leaves it miscalibrated
+    assert rep[0]["ece_after"] < 0.02 and rep[0]["shift"] == shifts[0]
+    for r in rep:
+        if r["survival"] >= 0.05:
+            assert r["ece_after"] < 0.02, r
+    assert "shift" in cal.markdown(rep)
+
+
+def test_vectorised_ece_equals_ece():
+    rng = np.random.default_rng(3)
+    preds, y = rng.random((5, 300)), (rng.random(300) < 0.4).astype(float)
+    assert cal._ece_many(preds, y, 20) == pytest.approx([cal.ece(p, y, 20) for p in preds])
+
+
+def test_rollouts_round_trip_and_bad_files(tmp_path):
+    splits = {"fit": _shifted(n=10, seed=0), "eval": _shifted(n=12, seed=1)}
+    path = tmp_path / "ro.npz"
+    cal.save_rollouts(path, splits, {"drafter": "x", "block_size": 4})
+    back, meta = cal.load_rollouts(path)
+    assert meta == {"drafter": "x", "block_size": 4}
+    for name in splits:
+        for f in ("z", "length", "accepted", "domain"):
+            assert np.array_equal(getattr(back[name], f), getattr(splits[name], f))
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not an npz")
+    with pytest.raises(UsageError, match="not a rollouts file"):
+        cal.load_rollouts(bad)
+
+
 def test_calibrated_head_keeps_temperature_one():
     fit = _synthetic(over=1.0, seed=2)
     temps = cal.fit_sts(fit)

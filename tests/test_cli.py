@@ -160,6 +160,8 @@ def _check_merge(res, tmp_path):
     (["calibrate", "--prompts", "/nonexistent/heldout.jsonl"], "not found"),
     (["calibrate", "--blocks", "0"], "--blocks"),
     (["calibrate", "--drafter", "dflash", "--prompts", str(Path(__file__).parent / "_calib_prompts.jsonl")], "no confidence head"),
+    (["calibrate", "--rollouts", str(Path(__file__)), "--prompts", str(Path(__file__).parent / "_calib_prompts.jsonl")],
+     "not a rollouts file"),
 ])
 def test_training_commands_bad_input_exit_2(args, needle, tmp_path):
     code, out, err = _run(args, env={"DSPARK_CACHE": str(tmp_path / "cache")} if args[0] == "eval" else None)

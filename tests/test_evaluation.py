@@ -39,7 +39,7 @@ def test_speed_bench_trained_drafter_with_policy(capsys, monkeypatch):
     rows = {r["system"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]}
     assert rows["dspark@ema"]["greedy_identity_rate"] == 1.0
     assert rows["dspark@ema"]["speedup_vs_own_plain"] > 0
-    for bad in ("dspark@warp", "ngram@prefix", "dspark@"):
+    for bad in ("dspark@warp", "hf-plain@prefix", "dspark@"):
         assert main(["bench", "speed", "--systems", bad]) == 2
     from dspark.scheduling.sps import CostTable
     monkeypatch.setattr(CostTable, "find", classmethod(lambda cls, key: None))

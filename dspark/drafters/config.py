@@ -51,6 +51,7 @@ class DrafterConfig:
     final_logit_softcap: float | None = None
     embed_scale: float = 1.0
     sts_temperatures: list | None = None   # per position, fitted by `dspark calibrate`
+    sts_shifts: list | None = None         # per position logit shift (`dspark calibrate --shift`)
     architectures: list = field(default_factory=list)
     model_type: str = "dspark_drafter"
 

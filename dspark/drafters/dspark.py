@@ -159,8 +159,11 @@ class DSparkDrafter(Drafter):
         self.model.to(dtype=dt, device=target.device)
         self.model.attach(target.embed, target.lm_head)
         self.device = target.device
+        # calibrated confidence c_k = sigmoid(z_k / T_k + b_k) (b = 0 unless calibrated with --shift)
         temps = c.sts_temperatures or [1.0] * c.block_size
         self.temps = torch.tensor(temps[:c.block_size] + [1.0] * (c.block_size - len(temps)))
+        shifts = c.sts_shifts or [0.0] * c.block_size
+        self.shifts = torch.tensor(shifts[:c.block_size] + [0.0] * (c.block_size - len(shifts)))
         self.cache: KVCache | None = None
 
     def prepare(self, max_requests: int, max_len: int) -> None:
@@ -277,7 +280,7 @@ class DSparkDrafter(Drafter):
                 bias, e, state = m.head.step(h[:, k], prev, state)
                 logits = logits + bias.float()
             if m.confidence is not None:
-                confs[:, k] = torch.sigmoid(m.confidence(h[:, k], e).float() / self.temps[k])
+                confs[:, k] = torch.sigmoid(m.confidence(h[:, k], e).float() / self.temps[k] + self.shifts[k])
             for params, rows, gens in groups:
                 p = probs_from_logits(logits[rows], params)
                 toks[rows, k] = p.argmax(-1) if params.greedy else sample_rows(p, gens)

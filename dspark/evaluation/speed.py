@@ -31,6 +31,9 @@ ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-hf-rule"
                "llama.cpp-prompt-lookup")
 # trained drafters run on our engine too when named (not in the default set: they need a checkpoint)
 TRAINED_SYSTEMS = ("dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
+# our drafting systems may name their verification policy (ngram@prefix, dspark@async; default: the
+# whole block every round)
+POLICY_SYSTEMS = ("ngram",) + TRAINED_SYSTEMS
 # ngram-hf-rule: our engine with HF's lookup rule (earliest match of a 2-gram, else 1-gram, 10
 # tokens), to compare lookup rules on the same text
 BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule": "plain",
@@ -144,10 +147,10 @@ def run_speed_bench(args) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     systems = list(ALL_SYSTEMS) if not args.systems else [s.strip() for s in args.systems.split(",")]
     unknown = [s for s in systems if s.partition("@")[0] not in ALL_SYSTEMS + TRAINED_SYSTEMS
-               or ("@" in s and s.partition("@")[0] not in TRAINED_SYSTEMS)]
+               or ("@" in s and s.partition("@")[0] not in POLICY_SYSTEMS)]
     if unknown:
         raise UsageError(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS + TRAINED_SYSTEMS)} "
-                         f"(a trained drafter may name its verification policy: dspark@prefix)")
+                         f"({', '.join(POLICY_SYSTEMS)} may name a verification policy: dspark@prefix)")
     for s in systems:
         if "@" in s:
             make_policy(s.partition("@")[2])   # validates the policy name before loading anything
@@ -168,16 +171,15 @@ def run_speed_bench(args) -> int:
             runners[s] = _hf_system(target.path, eos, max_new, 10 if s == "hf-prompt-lookup" else None, temp, seed)
         elif s == "plain":
             runners[s] = _ours_system(target, PlainDrafter(), max_new, eos, temp, seed)
-        elif s == "ngram":
-            runners[s] = _ours_system(target, NgramDrafter(block_size=args.num_draft or 10), max_new, eos, temp, seed)
+        elif s.partition("@")[0] in POLICY_SYSTEMS:
+            name, _, pol = s.partition("@")
+            drafter = (NgramDrafter(block_size=args.num_draft or 10) if name == "ngram"
+                       else load_drafter(name, target, block_size=args.num_draft))
+            runners[s] = _ours_system(target, drafter, max_new, eos, temp, seed,
+                                      _policy_factory(pol, target, drafter) if pol else None)
         elif s == "ngram-hf-rule":
             hf_rule = NgramDrafter(block_size=10, max_ngram=2, weak_match_tokens=10, rule="first")
             runners[s] = _ours_system(target, hf_rule, max_new, eos, temp, seed)
-        elif s.partition("@")[0] in TRAINED_SYSTEMS:
-            name, _, pol = s.partition("@")
-            drafter = load_drafter(name, target, block_size=args.num_draft)
-            runners[s] = _ours_system(target, drafter, max_new, eos, temp, seed,
-                                      _policy_factory(pol, target, drafter) if pol else None)
         else:
             if not target.path.is_file():
                 skipped[s] = "llama.cpp needs a GGUF target"
@@ -224,7 +226,7 @@ def run_speed_bench(args) -> int:
 def _report(results, datasets, args, skipped) -> dict:
     rows = []
     for s, r in results.items():
-        base = results.get(BASELINE_OF.get(s, "plain" if s.partition("@")[0] in TRAINED_SYSTEMS else s))
+        base = results.get(BASELINE_OF.get(s, "plain" if s.partition("@")[0] in POLICY_SYSTEMS else s))
         identical = None
         if base is not None and base is not r and args.temperature == 0:
             identical = sum(a == b for a, b in zip(r.outputs, base.outputs)) / len(r.outputs)

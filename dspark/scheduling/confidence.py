@@ -220,8 +220,9 @@ class _ProfiledPolicy(Policy):
 
 
 class PrefixPolicy(_ProfiledPolicy):
-    """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting is shortened
-    to one more than what the request verified last step, skipped after a run of steps where
+    """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting goes no deeper
+    than the depth that pays on the observed acceptance profile, and no more than one beyond what
+    the request verified last step; it is skipped after a run of steps where
     nothing was worth verifying, and paused while drafting has not paid for itself (both re-probed
     every ``probe_every`` steps): under heavy load, or with a drafter whose drafts cost more than
     they return, the engine then runs plain decoding instead of paying for drafts."""
@@ -231,12 +232,37 @@ class PrefixPolicy(_ProfiledPolicy):
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
         super().__init__(cost_table, block, probe_every)
         self.idle_steps = 0          # consecutive steps that verified no draft (counted in verify_lengths)
+        self.shallow_steps = 0       # consecutive steps whose profile said no depth pays
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
         if self._drafting_paused() or (self.idle_steps and self.idle_steps % self.probe_every):
             return [0] * len(requests)
+        depth = self._draft_depth(requests, cap)
+        self.shallow_steps = 0 if depth else self.shallow_steps + 1
+        if not depth:    # not worth drafting on the profile: probe one token now and then
+            if self.shallow_steps % self.probe_every:
+                return [0] * len(requests)
+            depth = 1
+        cap = depth
         return [min(cap, r.ctx.state.get("_last_verified", cap - 1) + 2) for r in requests]
+
+    def _draft_depth(self, requests, cap: int) -> int:
+        """How deep drafting can pay this step: the depth d maximising expected tokens per second if
+        every request drafted and verified d tokens, with survivals from the observed profile (past
+        steps only) and the cost table (which prices drafting and verifying d tokens together).
+        Drafting beyond it costs more than Algorithm 1 could ever verify profitably on average."""
+        R = len(requests)
+        ctx = _context(requests)
+        best_d, best = 0, self.cost.sps(R, R, ctx)
+        a, tau = 1.0, 1.0
+        for d, c in enumerate(self.profile.conditional()[:cap], 1):
+            a *= c
+            tau += a
+            theta = tau * self.cost.sps(R, R + R * d, ctx)
+            if theta > best:
+                best, best_d = theta, d
+        return best_d
 
     def verify_lengths(self, requests, proposals):
         if not requests:
@@ -269,33 +295,41 @@ class AsyncPolicy(_ProfiledPolicy):
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        self.capacity = 0 if self._drafting_paused() else self._capacity(requests, cap)
-        # no request can be granted more than K tokens: draft no deeper than that
-        return [min(cap, self.capacity)] * len(requests)
+        if self._drafting_paused():
+            self.capacity = 0
+            return [0] * len(requests)
+        self.capacity, share = self._capacity(requests, cap)
+        # no request can be granted more than K tokens, and a request whose candidates two steps
+        # ago held n of the top K is unlikely to be granted many more: draft n + 1 at most
+        return [min(cap, self.capacity, n + 1) if self.capacity else 0 for n in share]
 
-    def _capacity(self, requests, cap) -> int:
+    def _capacity(self, requests, cap) -> tuple[int, list[int]]:
+        """(K, per request the number of its stale candidates among the top K)."""
         R = len(requests)
         if not R:
-            return 0
+            return 0, []
         stale = self.history[0] if len(self.history) == self.history.maxlen else {}
         prof, a = [], 1.0
         for c in self.profile.conditional()[:cap]:
             a *= c
             prof.append(a)
         cands = []
-        for r in requests:
+        for i, r in enumerate(requests):
             # requests that joined since, or drafted nothing then: the observed default profile
             # (so that a step with K = 0 does not lock the policy into plain decoding)
-            cands.extend(stale.get(r.id) or prof)
-        cands.sort(reverse=True)
+            cands.extend((a, i) for a in (stale.get(r.id) or prof))
+        cands.sort(key=lambda t: -t[0])
         ctx = _context(requests)
         best_k, best, tau = 0, R * self.cost.sps(R, R, ctx), float(R)
-        for k, a in enumerate(cands, 1):            # full search: no early stop needed
+        for k, (a, _) in enumerate(cands, 1):       # full search: no early stop needed
             tau += a
             theta = tau * self.cost.sps(R, R + k, ctx)
             if theta > best:
                 best, best_k = theta, k
-        return best_k
+        share = [0] * R
+        for _, i in cands[:best_k]:
+            share[i] += 1
+        return best_k, share
 
     def verify_lengths(self, requests, proposals):
         self._note_drafted(requests, proposals)

@@ -5,13 +5,17 @@
    position and how many draft tokens survived. Two prompt-disjoint splits: fit and evaluation.
 2. STS: for k = 1..gamma in order, one temperature T_k (grid search) minimises the ECE (20
    equal-width bins) of the prefix survival a_k = prod_{i<=k} sigmoid(z_i / T_i) against the event
-   "tokens 1..k all accepted", T_1..T_{k-1} kept fixed.
+   "tokens 1..k all accepted", T_1..T_{k-1} kept fixed. Optionally (``--shift``, not the paper's
+   method) each position also gets a logit shift b_k, c_k = sigmoid(z_k / T_k + b_k), fitted the
+   same way: a head that is over- or under-confident by a constant (e.g. trained on text sampled
+   at another temperature than the one it serves) is miscalibrated in a way no temperature fixes.
 3. Report ECE, AUROC and Brier per position before (T = 1) and after, on the evaluation split; a
    reliability diagram; the threshold sweep (accepted / rejected tokens per step and acceptance
    rate against a threshold on the calibrated c_k, per domain).
 
-The temperatures go into the drafter's config.json (``sts_temperatures``); the serving drafter
-divides each confidence logit by them.
+The temperatures (and shifts) go into the drafter's config.json (``sts_temperatures``,
+``sts_shifts``); the serving drafter applies them to each confidence logit. Rollouts can be saved
+and reused (``--rollouts``) to compare fits without generating again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..sampling import SamplingParams
 from ..scheduling.policies import FixedPolicy
 
 TEMPERATURE_GRID = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
+SHIFT_GRID = np.linspace(-3.0, 3.0, 121)
 
 
 @dataclass
@@ -72,8 +77,8 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
     if getattr(drafter, "model", None) is None or getattr(drafter.model, "confidence", None) is None:
         raise UsageError(f"drafter {drafter.name!r} has no confidence head to calibrate")
     g = drafter.block_size
-    saved = drafter.temps
-    drafter.temps = torch.ones_like(saved)            # raw logits: z = logit(c)
+    saved = drafter.temps, drafter.shifts
+    drafter.temps, drafter.shifts = torch.ones_like(saved[0]), torch.zeros_like(saved[1])   # raw: z = logit(c)
     keep = [i for i, p in enumerate(prompts) if 0 < len(p) <= 1024]
     if not keep:
         raise UsageError("no usable prompt (all empty or longer than 1,024 tokens)")
@@ -108,10 +113,34 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
     finally:
         for r, _ in live:
             engine.cancel(r)
-        drafter.temps = saved
+        drafter.temps, drafter.shifts = saved
     if not length:
         raise UsageError("the rollouts verified no block (prompts too long or max-new-tokens too small)")
     return Rollouts(np.array(z), np.array(length), np.array(accepted), np.array(domain))
+
+
+def save_rollouts(path, splits: dict[str, Rollouts], meta: dict) -> None:
+    """Both splits and what recorded them in one .npz (written atomically, read without pickle)."""
+    import json
+    import os
+    arrays = {f"{name}.{f}": getattr(ro, f) for name, ro in splits.items()
+              for f in ("z", "length", "accepted", "domain")}
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
+    os.replace(tmp, path)
+
+
+def load_rollouts(path) -> tuple[dict[str, Rollouts], dict]:
+    import json
+    try:
+        with np.load(path, allow_pickle=False) as d:
+            meta = json.loads(str(d["meta"]))
+            splits = {name: Rollouts(*(d[f"{name}.{f}"] for f in ("z", "length", "accepted", "domain")))
+                      for name in ("fit", "eval")}
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--rollouts {path}: not a rollouts file written by dspark calibrate ({e})") from None
+    return splits, meta
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -147,50 +176,80 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def survivals(ro: Rollouts, temps) -> np.ndarray:
-    """Prefix survivals a [N, g] (nan beyond each block's length) under per-position temperatures."""
-    c = _sigmoid(ro.z / np.asarray(temps, dtype=np.float64)[None, :])
+def calibrated(z: np.ndarray, temps, shifts=None) -> np.ndarray:
+    """c = sigmoid(z / T + b) per position (b = 0 without shifts)."""
+    b = 0.0 if shifts is None else np.asarray(shifts, dtype=np.float64)[None, :]
+    return _sigmoid(z / np.asarray(temps, dtype=np.float64)[None, :] + b)
+
+
+def survivals(ro: Rollouts, temps, shifts=None) -> np.ndarray:
+    """Prefix survivals a [N, g] (nan beyond each block's length) under per-position temperatures
+    (and shifts)."""
+    c = calibrated(ro.z, temps, shifts)
     return np.cumprod(np.nan_to_num(c, nan=0.0), axis=1) + np.where(np.isnan(ro.z), np.nan, 0.0)
+
+
+def _ece_many(preds: np.ndarray, y: np.ndarray, bins: int) -> np.ndarray:
+    """``ece`` of each row of preds [M, n] against y [n], in one pass."""
+    M, n = preds.shape
+    idx = np.minimum((preds * bins).astype(int), bins - 1) + bins * np.arange(M)[:, None]
+    diff = np.bincount(idx.ravel(), weights=np.broadcast_to(y, preds.shape).ravel(), minlength=M * bins)
+    diff -= np.bincount(idx.ravel(), weights=preds.ravel(), minlength=M * bins)
+    return np.abs(diff).reshape(M, bins).sum(1) / n
+
+
+def _fit_sequential(ro: Rollouts, bins: int, grid, shift_grid) -> tuple[list[float], list[float]]:
+    """Positions left to right: (T_k, b_k) on the grids minimising the ECE of a_k, earlier kept fixed."""
+    temps: list[float] = []
+    shifts: list[float] = []
+    prev = np.ones(len(ro))
+    for k in range(ro.z.shape[1]):
+        rows, y = ro.events(k)
+        best = (np.inf, 1.0, 0.0)
+        if rows.any():
+            zk, pk = ro.z[rows, k], prev[rows]
+            for t in grid:
+                scores = _ece_many(pk[None] * _sigmoid(zk[None] / t + shift_grid[:, None]), y, bins)
+                i = int(np.argmin(scores))
+                if scores[i] < best[0]:
+                    best = (float(scores[i]), float(t), float(shift_grid[i]))
+        temps.append(best[1])
+        shifts.append(best[2])
+        prev = prev * _sigmoid(np.nan_to_num(ro.z[:, k]) / best[1] + best[2])
+    return temps, shifts
 
 
 def fit_sts(ro: Rollouts, bins: int = 20, grid=TEMPERATURE_GRID) -> list[float]:
     """Sequential Temperature Scaling: T_k minimising the ECE of a_k, positions left to right."""
-    g = ro.z.shape[1]
-    temps: list[float] = []
-    prev = np.ones(len(ro))
-    for k in range(g):
-        rows, y = ro.events(k)
-        if not rows.any():
-            temps.append(1.0)
-            continue
-        zk, pk = ro.z[rows, k], prev[rows]
-        scores = [ece(pk * _sigmoid(zk / t), y, bins) for t in grid]
-        best = float(grid[int(np.argmin(scores))])
-        temps.append(best)
-        prev = prev * _sigmoid(np.nan_to_num(ro.z[:, k]) / best)
-    return temps
+    return _fit_sequential(ro, bins, grid, np.zeros(1))[0]
 
 
-def report(ro: Rollouts, temps, bins: int = 20) -> list[dict]:
+def fit_sts_shift(ro: Rollouts, bins: int = 20, grid=TEMPERATURE_GRID[::4],
+                  shift_grid=SHIFT_GRID) -> tuple[list[float], list[float]]:
+    """STS with a logit shift per position: (T_k, b_k) minimising the ECE of a_k, left to right."""
+    return _fit_sequential(ro, bins, grid, shift_grid)
+
+
+def report(ro: Rollouts, temps, bins: int = 20, shifts=None) -> list[dict]:
     """Per position: mean survival, ECE / AUROC / Brier of a_k before (T = 1) and after STS."""
-    before, after = survivals(ro, [1.0] * ro.z.shape[1]), survivals(ro, temps)
+    before, after = survivals(ro, [1.0] * ro.z.shape[1]), survivals(ro, temps, shifts)
     out = []
     for k in range(ro.z.shape[1]):
         rows, y = ro.events(k)
         b, a = before[rows, k], after[rows, k]
         out.append({"position": k + 1, "blocks": int(rows.sum()), "survival": float(y.mean()) if len(y) else 0.0,
-                    "temperature": float(temps[k]),
+                    "temperature": float(temps[k]), "shift": float(shifts[k]) if shifts is not None else 0.0,
                     "ece_before": ece(b, y, bins), "ece_after": ece(a, y, bins),
                     "auroc_before": auroc(b, y), "auroc_after": auroc(a, y),
                     "brier_before": brier(b, y), "brier_after": brier(a, y)})
     return out
 
 
-def threshold_sweep(ro: Rollouts, temps, thresholds=None) -> dict:
+def threshold_sweep(ro: Rollouts, temps, thresholds=None, shifts=None) -> dict:
     """Per domain and threshold t: verify up to the first calibrated c_k < t; accepted and rejected
     (verified but wasted) tokens per step and the acceptance rate of verified tokens."""
     thresholds = np.linspace(0.0, 0.95, 20) if thresholds is None else np.asarray(thresholds)
-    c = _sigmoid(ro.z / np.asarray(temps)[None, :])
+    c = calibrated(ro.z, temps, shifts)
     c = np.where(np.isnan(ro.z), -1.0, c)
     out = {}
     for dom in ["all"] + sorted(set(ro.domain.tolist())):
@@ -208,7 +267,7 @@ def threshold_sweep(ro: Rollouts, temps, thresholds=None) -> dict:
 
 
 # ------------------------------------------------------------------------------ figures
-def plot_reliability(ro: Rollouts, temps, path, bins: int = 20) -> None:
+def plot_reliability(ro: Rollouts, temps, path, bins: int = 20, shifts=None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,8 +276,9 @@ def plot_reliability(ro: Rollouts, temps, path, bins: int = 20) -> None:
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.4), squeeze=False)
     for ax, k in zip(axes[0], shown):
         rows, y = ro.events(k)
-        for label, t, style in (("before", [1.0] * g, "o--"), ("after STS", temps, "s-")):
-            a = survivals(ro, t)[rows, k]
+        after = "after STS" + (" + shift" if shifts is not None else "")
+        for label, t, b, style in (("before", [1.0] * g, None, "o--"), (after, temps, shifts, "s-")):
+            a = survivals(ro, t, b)[rows, k]
             idx = np.minimum((a * bins).astype(int), bins - 1)
             xs = [a[idx == b].mean() for b in range(bins) if (idx == b).sum() >= 5]
             ys = [y[idx == b].mean() for b in range(bins) if (idx == b).sum() >= 5]
@@ -262,10 +322,11 @@ def markdown(rep: list[dict]) -> str:
 
     def f3(x):
         return "-" if x != x else f"{x:.3f}"
-    lines = ["| position | blocks | survival | T | ECE before | ECE after | AUROC before | AUROC after | "
-             "Brier before | Brier after |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| position | blocks | survival | T | shift | ECE before | ECE after | AUROC before | AUROC after | "
+             "Brier before | Brier after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep:
         lines.append(f"| {r['position']} | {r['blocks']} | {r['survival']:.3f} | {r['temperature']:.2f} | "
+                     f"{r.get('shift', 0.0):+.2f} | "
                      f"{pct(r['ece_before'])} | {pct(r['ece_after'])} | {f3(r['auroc_before'])} | "
                      f"{f3(r['auroc_after'])} | {f3(r['brier_before'])} | {f3(r['brier_after'])} |")
     return "\n".join(lines)
