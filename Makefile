@@ -58,4 +58,4 @@ drafters: $(STAMP)
 	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
 	$(BIN)/dspark cache
 	for r in $(RECIPES); do $(BIN)/dspark train --recipe $$r $(TRAIN_FLAGS) || exit 1; done
-	$(BIN)/dspark calibrate --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"
+	$(BIN)/dspark calibrate --shift --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"

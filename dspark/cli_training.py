@@ -324,7 +324,8 @@ def cmd_calibrate(args) -> int:
             cfg.save(folder)
         except OSError as e:
             raise UsageError(f"cannot write {folder}/config.json ({e}); rerun with --no-save") from None
-        print(f"saved STS temperatures to {folder}/config.json", file=sys.stderr)
+        print(f"saved the calibration ({'temperatures and shifts' if shifts is not None else 'STS temperatures'}) "
+              f"to {folder}/config.json", file=sys.stderr)
     if args.json:
         print(json.dumps({"drafter": str(folder), "temperatures": temps, "shifts": shifts,
                           "blocks": {k: len(v) for k, v in splits.items()}, "positions": rep, "sweep": sweep}))

@@ -273,9 +273,11 @@ class PrefixPolicy(_ProfiledPolicy):
         ctx = _context(requests)
         R = len(requests)
         lengths = prefix_schedule(surv, lambda B: self.cost.sps(R, B, ctx))
-        for r, n in zip(requests, lengths):
-            r.ctx.state["_last_verified"] = n
-        self.idle_steps = 0 if any(lengths) else self.idle_steps + 1
+        for r, p, n in zip(requests, proposals, lengths):
+            if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
+                r.ctx.state["_last_verified"] = n
+        if any(len(p) for p in proposals):
+            self.idle_steps = 0 if any(lengths) else self.idle_steps + 1
         _record(requests, lengths)
         return lengths
 

@@ -198,8 +198,15 @@ def _ece_many(preds: np.ndarray, y: np.ndarray, bins: int) -> np.ndarray:
     return np.abs(diff).reshape(M, bins).sum(1) / n
 
 
-def _fit_sequential(ro: Rollouts, bins: int, grid, shift_grid) -> tuple[list[float], list[float]]:
-    """Positions left to right: (T_k, b_k) on the grids minimising the ECE of a_k, earlier kept fixed."""
+def _nll_many(preds: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Mean negative log-likelihood of y under each row of preds [M, n]."""
+    p = np.clip(preds, 1e-9, 1 - 1e-9)
+    return -(y * np.log(p) + (1 - y) * np.log1p(-p)).mean(1)
+
+
+def _fit_sequential(ro: Rollouts, bins: int, grid, shift_grid, score: str = "ece") -> tuple[list[float], list[float]]:
+    """Positions left to right: (T_k, b_k) on the grids minimising the score (ECE, or the negative
+    log-likelihood) of a_k against the survival events, earlier positions kept fixed."""
     temps: list[float] = []
     shifts: list[float] = []
     prev = np.ones(len(ro))
@@ -209,7 +216,8 @@ def _fit_sequential(ro: Rollouts, bins: int, grid, shift_grid) -> tuple[list[flo
         if rows.any():
             zk, pk = ro.z[rows, k], prev[rows]
             for t in grid:
-                scores = _ece_many(pk[None] * _sigmoid(zk[None] / t + shift_grid[:, None]), y, bins)
+                a = pk[None] * _sigmoid(zk[None] / t + shift_grid[:, None])
+                scores = _ece_many(a, y, bins) if score == "ece" else _nll_many(a, y)
                 i = int(np.argmin(scores))
                 if scores[i] < best[0]:
                     best = (float(scores[i]), float(t), float(shift_grid[i]))
@@ -226,8 +234,11 @@ def fit_sts(ro: Rollouts, bins: int = 20, grid=TEMPERATURE_GRID) -> list[float]:
 
 def fit_sts_shift(ro: Rollouts, bins: int = 20, grid=TEMPERATURE_GRID[::4],
                   shift_grid=SHIFT_GRID) -> tuple[list[float], list[float]]:
-    """STS with a logit shift per position: (T_k, b_k) minimising the ECE of a_k, left to right."""
-    return _fit_sequential(ro, bins, grid, shift_grid)
+    """A temperature and a logit shift per position, left to right, fitted by the negative
+    log-likelihood of a_k (Platt scaling made sequential). Not by the ECE: with two parameters the
+    ECE is minimised by flattening every confidence towards the base rate (T -> the grid's top),
+    which is calibrated and useless to a scheduler."""
+    return _fit_sequential(ro, bins, grid, shift_grid, score="nll")
 
 
 def report(ro: Rollouts, temps, bins: int = 20, shifts=None) -> list[dict]:
