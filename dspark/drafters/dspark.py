@@ -291,5 +291,5 @@ class DSparkDrafter(Drafter):
         toks = vocab[toks]
         for i, c in enumerate(active):
             n = min(c.num_draft, steps)
-            results[id(c)] = Proposal(toks[i, :n].clone(), probs[i, :n].clone(), confs[i, :n].clone())
+            results[id(c)] = Proposal(toks[i, :n], probs[i, :n], confs[i, :n])   # views: fresh tensors
         return [results[id(c)] for c in contexts]

@@ -62,6 +62,14 @@ class _Profile:
     def conditional(self) -> list[float]:
         return [min(0.999, h / t) for h, t in zip(self.hits, self.tries)]
 
+    def survivals(self, cap: int) -> list[float]:
+        """Prefix survivals a_1..a_cap implied by the observed conditional acceptance."""
+        out, a = [], 1.0
+        for c in self.conditional()[:cap]:
+            a *= c
+            out.append(a)
+        return out
+
 
 def _record(requests, lengths) -> None:
     for r, n in zip(requests, lengths):
@@ -244,8 +252,7 @@ class PrefixPolicy(_ProfiledPolicy):
             if self.shallow_steps % self.probe_every:
                 return [0] * len(requests)
             depth = 1
-        cap = depth
-        return [min(cap, r.ctx.state.get("_last_verified", cap - 1) + 2) for r in requests]
+        return [min(depth, r.ctx.state.get("_last_verified", depth - 1) + 2) for r in requests]
 
     def _draft_depth(self, requests, cap: int) -> int:
         """How deep drafting can pay this step: the depth d maximising expected tokens per second if
@@ -254,10 +261,8 @@ class PrefixPolicy(_ProfiledPolicy):
         Drafting beyond it costs more than Algorithm 1 could ever verify profitably on average."""
         R = len(requests)
         ctx = _context(requests)
-        best_d, best = 0, self.cost.sps(R, R, ctx)
-        a, tau = 1.0, 1.0
-        for d, c in enumerate(self.profile.conditional()[:cap], 1):
-            a *= c
+        best_d, best, tau = 0, self.cost.sps(R, R, ctx), 1.0
+        for d, a in enumerate(self.profile.survivals(cap), 1):
             tau += a
             theta = tau * self.cost.sps(R, R + R * d, ctx)
             if theta > best:
@@ -311,10 +316,7 @@ class AsyncPolicy(_ProfiledPolicy):
         if not R:
             return 0, []
         stale = self.history[0] if len(self.history) == self.history.maxlen else {}
-        prof, a = [], 1.0
-        for c in self.profile.conditional()[:cap]:
-            a *= c
-            prof.append(a)
+        prof = self.profile.survivals(cap)
         cands = []
         for i, r in enumerate(requests):
             # requests that joined since, or drafted nothing then: the observed default profile

@@ -6,9 +6,10 @@
 2. STS: for k = 1..gamma in order, one temperature T_k (grid search) minimises the ECE (20
    equal-width bins) of the prefix survival a_k = prod_{i<=k} sigmoid(z_i / T_i) against the event
    "tokens 1..k all accepted", T_1..T_{k-1} kept fixed. Optionally (``--shift``, not the paper's
-   method) each position also gets a logit shift b_k, c_k = sigmoid(z_k / T_k + b_k), fitted the
-   same way: a head that is over- or under-confident by a constant (e.g. trained on text sampled
-   at another temperature than the one it serves) is miscalibrated in a way no temperature fixes.
+   method) each position also gets a logit shift b_k, c_k = sigmoid(z_k / T_k + b_k), the pair
+   fitted left to right by the log-likelihood of the same events: a head that is over- or
+   under-confident by a constant (e.g. trained on text sampled at another temperature than the one
+   it serves) is miscalibrated in a way no temperature fixes.
 3. Report ECE, AUROC and Brier per position before (T = 1) and after, on the evaluation split; a
    reliability diagram; the threshold sweep (accepted / rejected tokens per step and acceptance
    rate against a threshold on the calibrated c_k, per domain).
