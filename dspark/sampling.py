@@ -89,12 +89,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return _inverse_cdf(flat, u).reshape(probs.shape[:-1])
 
 
-def sample_rows(probs: torch.Tensor, generators: list) -> torch.Tensor:
-    """One token per row of ``probs`` [n, V] (fp32), row i drawn with ``generators[i]``, so a batch
-    of requests samples in one vectorised pass and each request's tokens still depend only on its
-    own random stream."""
-    u = torch.stack([torch.rand((), generator=g, device=g.device if g is not None else "cpu")
-                     for g in generators]).to(probs.device)
+def uniforms(generators: list, n: int, device="cpu") -> torch.Tensor:
+    """[len(generators), n] uniforms in [0, 1), row i from ``generators[i]`` (a request's own stream)."""
+    return torch.stack([torch.rand(n, generator=g, device=g.device if g is not None else "cpu")
+                        for g in generators]).to(device)
+
+
+def sample_rows(probs: torch.Tensor, generators: list | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [n, V] (fp32), row i drawn with ``generators[i]`` (or at the
+    given uniform ``u[i]``, drawn beforehand from that row's stream), so a batch of requests
+    samples in one vectorised pass and each request's tokens still depend only on its own random
+    stream."""
+    if u is None:
+        u = uniforms(generators, 1, probs.device)[:, 0]
     return _inverse_cdf(probs, u)
 
 

@@ -154,3 +154,50 @@ def test_serving_block_equals_the_training_forward(kind, head):
         assert torch.allclose(prop.probs[k], logits[0, k].softmax(-1), atol=1e-5), k
         if conf is not None:
             assert torch.allclose(prop.confidences[k], torch.sigmoid(conf[0, k]), atol=1e-5), k
+
+
+def test_serving_batch_over_rounds_equals_the_training_forward():
+    """Several requests of different lengths in one batched call, over several rounds (context
+    handed over round by round, a request that drafts nothing in a round, blocks of different
+    depths): each block equals the training forward of that request alone."""
+    from dspark.drafters.base import DraftContext
+    target = tiny_target(scale=3.0)
+    model = tiny_drafter_model(target, "dspark", "vanilla", scale=2.0, layers=2)
+    with torch.no_grad():
+        model.backbone.feature_scale.uniform_(0.5, 2.0)
+    drafter = DSparkDrafter(model, target)
+    drafter.prepare(3, 64)
+    seqs = [[1, 3, 2, 4, 0, 2, 1, 3, 4, 2, 2, 1, 0, 3, 1, 4], [4, 4, 1, 0, 2, 3, 3, 1, 2, 0, 1, 2, 4, 3],
+            [2, 0, 1, 1, 3, 4, 2, 2, 0, 1, 3, 0, 4, 4, 2]]
+    feats = []
+    for ids in seqs:
+        kv = target.new_cache(1, 32)
+        slot = kv.allocate()
+        o = target(torch.tensor(ids), [(slot, len(ids))], kv, feature_layers=(0, 2), logits_rows=None)
+        feats.append(torch.cat(o.features, -1))
+    anchors = [[3, 5, 9], [6, 7, 10], [2, 4, 8]]
+    depths = [[3, 2, 3], [0, 3, 1], [2, 3, 3]]
+    ctxs = [None] * 3
+    for rnd in range(3):
+        for i, ids in enumerate(seqs):
+            a = anchors[i][rnd]
+            if ctxs[i] is None:
+                ctxs[i] = DraftContext(ids[:a + 1], SamplingParams(temperature=1.0),
+                                       torch.Generator().manual_seed(i), 0, features=[feats[i][:a]])
+            else:   # the positions verified since the last round, as the engine hands them over
+                c = ctxs[i]
+                c.features.append(feats[i][len(c.tokens) - 1:a])
+                c.tokens = ids[:a + 1]
+            ctxs[i].num_draft = depths[i][rnd]
+        props = drafter.propose(ctxs)
+        for i, (ids, p) in enumerate(zip(seqs, props)):
+            a = anchors[i][rnd]
+            assert len(p) == depths[i][rnd]
+            if not len(p):
+                continue
+            teacher = torch.tensor(ids[:a + 1] + p.tokens.tolist())
+            with torch.no_grad():
+                _, logits, conf = model.forward_train(feats[i][:a], teacher, torch.tensor([a]))
+            for k in range(len(p)):
+                assert torch.allclose(p.probs[k], logits[0, k].softmax(-1), atol=1e-5), (rnd, i, k)
+                assert torch.allclose(p.confidences[k], torch.sigmoid(conf[0, k]), atol=1e-5), (rnd, i, k)

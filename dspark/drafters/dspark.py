@@ -17,6 +17,7 @@ head come from the target at load time and are never saved twice). Loading never
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +28,8 @@ from torch import nn
 
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
-from ..runtime.model import serve_fast
-from ..sampling import probs_from_logits, sample_rows
+from ..runtime.model import RopeTable, attention, linear, rms_norm, serve_fast
+from ..sampling import probs_from_logits, sample_rows, uniforms
 from .backbone import Backbone, packed_block_mask
 from .base import DraftContext, Drafter, Proposal
 from .config import DrafterConfig
@@ -76,7 +77,7 @@ class DSparkModel(nn.Module):
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        u = h @ self.lm_head.to(h.dtype).T
+        u = linear(h, self.lm_head) if h.dim() == 2 else h @ self.lm_head.to(h.dtype).T
         cap = self.config.final_logit_softcap
         return torch.tanh(u / cap) * cap if cap else u
 
@@ -142,6 +143,16 @@ class DSparkModel(nn.Module):
         return model.to(dtype)
 
 
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class DSparkDrafter(Drafter):
     """Serving wrapper: per-request context cache, one batched block forward, sequential sampling."""
 
@@ -165,6 +176,7 @@ class DSparkDrafter(Drafter):
         shifts = c.sts_shifts or [0.0] * c.block_size
         self.shifts = torch.tensor(shifts[:c.block_size] + [0.0] * (c.block_size - len(shifts)))
         self.cache: KVCache | None = None
+        self._serving_weights()
 
     def prepare(self, max_requests: int, max_len: int) -> None:
         c = self.cache
@@ -187,78 +199,106 @@ class DSparkDrafter(Drafter):
         if slot is not None:
             self.cache.free(slot)
 
-    def _ingest(self, contexts: list[DraftContext]) -> None:
-        """Fuse the target features the engine handed over since the last round into each
-        request's context cache (one batched projection for all requests)."""
-        rows, owners = [], []
+    def _serving_weights(self) -> None:
+        """The backbone's weights laid out for the runtime's kernels: fused q/k/v and gate/up
+        products, the feature scale folded into the fusion projection, RoPE tables in the model
+        dtype (same weights as training; only how the products are grouped changes)."""
+        bb = self.model.backbone
+        self._fc = (bb.fc.weight.float() * bb.feature_scale.float()[None]).to(bb.fc.weight.dtype)
+        self._layers = [_Layer(l.input_norm.weight, torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
+                               l.o_proj.weight, l.post_norm.weight,
+                               torch.cat([l.gate_proj.weight, l.up_proj.weight]), l.down_proj.weight)
+                        for l in bb.layers]
+        self._rope = RopeTable(bb.rope.inv_freq, 1.0, bb.fc.weight.dtype, self.device)
+
+    def _forward(self, contexts: list[DraftContext], active: list[DraftContext], g: int) -> torch.Tensor | None:
+        """One pass of the backbone for a batch of requests -> hidden states [len(active), g, d].
+
+        Every request's context cache takes the target features handed over since its last round
+        (fused once, their keys / values appended); each active request's block [anchor, MASK *
+        (g-1)] attends to its whole context and to its whole block (non-causal). Context rows and
+        block rows share each layer's one q/k/v product; block keys / values are written past the
+        context length in the cache and overwritten by the next round's context."""
+        c = self.config
+        H, Hkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        qs, ks = H * hd, Hkv * hd
+        feats, starts, new = [], [], []
         for ctx in contexts:
             slot = self._slot(ctx)
-            n_new = 0
-            if ctx.features:
-                f = torch.cat(ctx.features) if len(ctx.features) > 1 else ctx.features[0]
-                ctx.features.clear()
-                rows.append(f)
-                owners.append((slot, f.shape[0]))
-                n_new = f.shape[0]
-            if self.cache.lengths[slot] + n_new != len(ctx.tokens) - 1:
+            cache = self.cache
+            n = sum(f.shape[0] for f in ctx.features)
+            if cache.lengths[slot] + n != len(ctx.tokens) - 1:
                 raise RuntimeError("drafter context out of step with the request")
-        if not rows:
-            return
+            cache.check_room(slot, n + (g if ctx.num_draft > 0 else 0))
+            feats.extend(ctx.features)
+            ctx.features.clear()
+            starts.append(cache.lengths[slot])
+            new.append(n)
+        nc = sum(new)
+        R = len(active)
+        if nc == 0 and R == 0:
+            return None
         bb = self.model.backbone
-        ctx_all = bb.fuse(torch.cat(rows).to(self.model.backbone.fc.weight.dtype))
-        pos = torch.cat([torch.arange(self.cache.lengths[s], self.cache.lengths[s] + n) for s, n in owners])
-        for li, layer in enumerate(bb.layers):
-            k, v = layer.context_kv(ctx_all, pos.to(self.device), bb.rope)
-            at = 0
-            for slot, n in owners:
-                start = self.cache.lengths[slot]
-                self.cache.k[li][slot, :, start:start + n] = k[at:at + n].transpose(0, 1)
-                self.cache.v[li][slot, :, start:start + n] = v[at:at + n].transpose(0, 1)
-                at += n
-        for slot, n in owners:
-            self.cache.lengths[slot] += n
-
-    def _block_hidden(self, contexts: list[DraftContext], g: int) -> torch.Tensor:
-        """One backbone forward over every request's [anchor, MASK * (g-1)] -> [R, g, d]."""
-        m = self.model
-        bb = m.backbone
-        R = len(contexts)
-        x = m.mask_embedding.expand(R, g, -1).clone()
-        x[:, 0] = m.embed_tokens(torch.tensor([c.tokens[-1] for c in contexts])).to(x.dtype)
-        x = x.reshape(R * g, -1)
-        slots = [c.state["slot"] for c in contexts]
-        pos = torch.cat([torch.arange(self.cache.lengths[s], self.cache.lengths[s] + g) for s in slots]).to(self.device)
-        for li, layer in enumerate(bb.layers):
-            h = layer.input_norm(x)
-            q = bb.rope(layer.q_proj(h).view(R * g, layer.H, layer.hd), pos)
-            k = bb.rope(layer.k_proj(h).view(R * g, layer.Hkv, layer.hd), pos)
-            v = layer.v_proj(h).view(R * g, layer.Hkv, layer.hd)
+        dev = self.device
+        rows_slot, rows_pos = [], []      # cache slot and position of every row (context rows, then block rows)
+        for ctx, s, n in zip(contexts, starts, new):
+            rows_slot += [ctx.state["slot"]] * n
+            rows_pos += range(s, s + n)
+        for ctx in active:
+            end = len(ctx.tokens) - 1     # the anchor's position
+            rows_slot += [ctx.state["slot"]] * g
+            rows_pos += range(end, end + g)
+        slot_idx = torch.tensor(rows_slot, device=dev)
+        pos = torch.tensor(rows_pos, device=dev)
+        cos, sin = self._rope.tables(pos, int(pos.max()))
+        ctx_rows = None
+        if nc:
+            f = feats[0] if len(feats) == 1 else torch.cat(feats)
+            ctx_rows = rms_norm(linear(f.to(self._fc.dtype), self._fc), bb.fc_norm.weight, eps)
+        x = None
+        if R:
+            m = self.model
+            x = m.mask_embedding.expand(R, g, -1).clone()
+            x[:, 0] = m.embed_tokens(torch.tensor([ctx.tokens[-1] for ctx in active], device=dev)).to(x.dtype)
+            x = x.reshape(R * g, -1)
+        scale = hd ** -0.5
+        for li, lw in enumerate(self._layers):
+            h = rms_norm(x, lw.input_norm, eps) if R else None
+            inp = h if ctx_rows is None else ctx_rows if h is None else torch.cat([ctx_rows, h])
+            qkv = linear(inp, lw.qkv).contiguous()
+            qk = qkv[:, :qs + ks].view(-1, H + Hkv, hd)
+            qk = qk * cos + qk.roll(hd // 2, -1) * sin
+            kc, vc = cache.k[li], cache.v[li]
+            kc[slot_idx, :, pos] = qk[:, H:].to(kc.dtype)
+            vc[slot_idx, :, pos] = qkv[:, qs + ks:].view(-1, Hkv, hd).to(vc.dtype)
+            if not R:
+                continue
+            q = qk[nc:, :H]
             outs = []
-            for i, s in enumerate(slots):
-                n = self.cache.lengths[s]
-                sl = slice(i * g, (i + 1) * g)
-                kk = torch.cat([self.cache.k[li][s, :, :n], k[sl].transpose(0, 1).to(self.kv_dtype)], 1)
-                vv = torch.cat([self.cache.v[li][s, :, :n], v[sl].transpose(0, 1).to(self.kv_dtype)], 1)
-                o = F.scaled_dot_product_attention(q[sl].transpose(0, 1).to(self.kv_dtype), kk, vv, enable_gqa=True)
-                outs.append(o.transpose(0, 1).reshape(g, -1))
-            a = torch.cat(outs).to(x.dtype)
-            x = x + layer.o_proj(a)
-            h = layer.post_norm(x)
-            x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
-        return bb.norm(x).view(R, g, -1)
+            for i, ctx in enumerate(active):
+                end = len(ctx.tokens) - 1 + g
+                s = ctx.state["slot"]
+                outs.append(attention(q[i * g:(i + 1) * g], kc[s, :, :end], vc[s, :, :end], None, scale))
+            a = outs[0] if R == 1 else torch.cat(outs)
+            x = x + linear(a, lw.o)
+            h = rms_norm(x, lw.post_norm, eps)
+            gate, up = linear(h, lw.gate_up).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, lw.down)
+        for ctx, n in zip(contexts, new):
+            cache.lengths[ctx.state["slot"]] += n
+        return rms_norm(x, bb.norm.weight, eps).view(R, g, -1) if R else None
 
     @torch.inference_mode()
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
-        self._ingest(contexts)
         active = [c for c in contexts if c.num_draft > 0]
+        steps = min(self.block_size, max((c.num_draft for c in active), default=0))
+        h = self._forward(contexts, active, steps)        # [R, g, d]; every context cache kept in step
         results = {id(c): Proposal.empty() for c in contexts}
         if not active:
             return [results[id(c)] for c in contexts]
         m = self.model
-        steps = min(self.block_size, max(c.num_draft for c in active))
-        h = self._block_hidden(active, steps)
-        U = m.base_logits(h).float()                      # [R, g, Vd]
         R = len(active)
+        U = m.base_logits(h.view(R * steps, -1)).float().view(R, steps, -1)   # [R, g, Vd]
         prev = m.t2d[torch.tensor([c.tokens[-1] for c in active], device=self.device)]
         state = m.head.init_state(R, h[:, 0]) if m.head is not None else None
         V = self.config.vocab_size
@@ -267,25 +307,27 @@ class DSparkDrafter(Drafter):
         groups: dict = {}
         for i, c in enumerate(active):
             groups.setdefault((c.params.temperature, c.params.top_k, c.params.top_p), []).append(i)
-        groups = [(active[rows[0]].params, torch.tensor(rows), [active[i].generator for i in rows])
+        groups = [(active[rows[0]].params, slice(None) if len(rows) == R else torch.tensor(rows))
                   for rows in groups.values()]
         dev = U.device
-        toks = torch.empty(R, steps, dtype=torch.long, device=dev)   # draft-vocabulary indices
+        u = uniforms([c.generator for c in active], steps, dev)      # each request's own stream
+        toks = torch.empty(R, steps + 1, dtype=torch.long, device=dev)   # draft-vocabulary indices
+        toks[:, 0] = prev                                            # column 0: the anchor
         pd = torch.empty(R, steps, vocab.numel(), device=dev)         # draft-vocabulary probabilities
-        confs = torch.ones(R, steps, device=dev)
         for k in range(steps):
             logits = U[:, k]
-            e = None
             if m.head is not None:
-                bias, e, state = m.head.step(h[:, k], prev, state)
+                bias, _, state = m.head.step(h[:, k], toks[:, k], state)
                 logits = logits + bias.float()
-            if m.confidence is not None:
-                confs[:, k] = torch.sigmoid(m.confidence(h[:, k], e).float() / self.temps[k] + self.shifts[k])
-            for params, rows, gens in groups:
+            for params, rows in groups:
                 p = probs_from_logits(logits[rows], params)
-                toks[rows, k] = p.argmax(-1) if params.greedy else sample_rows(p, gens)
+                toks[rows, k + 1] = p.argmax(-1) if params.greedy else sample_rows(p, u=u[rows, k])
                 pd[rows, k] = p
-            prev = toks[:, k]
+        confs = torch.ones(R, steps, device=dev)
+        if m.confidence is not None:   # c_k from h_k and the token before it: one pass after sampling
+            e = m.head.w1(toks[:, :steps]) if m.head is not None else None
+            confs = torch.sigmoid(m.confidence(h, e).float() / self.temps[:steps] + self.shifts[:steps])
+        toks = toks[:, 1:]
         probs = torch.zeros(R, steps, V, device=dev)
         probs[:, :, vocab] = pd
         toks = vocab[toks]

@@ -99,6 +99,9 @@ class Eagle3Drafter(DSparkDrafter):
     """Serving: the drafter cache holds entries [embed(t_{j+1}); fuse(f_j)]; each round ingests
     the new verified positions (their last output is the first draft step), then chains."""
 
+    def _serving_weights(self) -> None:
+        pass   # one causal layer run by ``_run``; the parallel backbone's fused layout is not used
+
     def _ingest_and_first(self, contexts: list[DraftContext]) -> torch.Tensor:
         m = self.model
         outs = []

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError, UsageError
+from .allocator import tune_allocator
 from .model import Decoder
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -233,6 +234,8 @@ def load_target(target: str | os.PathLike | None = None, dtype: str | torch.dtyp
     """Load a target by bundled name, HF folder or GGUF file. ``reuse`` keeps loaded targets
     in memory for the process (the CLI benchmark and tests load the same model many times)."""
     torch_dtype = parse_dtype(dtype)
+    if str(device) == "cpu":
+        tune_allocator()   # decoding on the CPU: reuse heap memory for the per-step temporaries
     name, path = resolve_target(target)
     key = (str(path), torch_dtype, str(device))
     if reuse and key in _LOADED:

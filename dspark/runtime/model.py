@@ -46,7 +46,7 @@ class ForwardOutput:
     features: tuple[torch.Tensor, ...]  # outputs of the requested decoder layers, each [N, d]
 
 
-class _Rope:
+class RopeTable:
     """cos / sin tables per RoPE variant, grown on demand, in the model dtype."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype, device):
@@ -73,11 +73,11 @@ class _Rope:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ b), on the fastest CPU path for the shape.
 
     Decoding and verification multiply a few rows by large weights: the cost is reading the
@@ -95,12 +95,12 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
 
 
 class FastLinear(torch.nn.Linear):
-    """``nn.Linear`` on ``_linear``'s path for 2-D inputs (rows are returned contiguous)."""
+    """``nn.Linear`` on ``linear``'s path for 2-D inputs (rows are returned contiguous)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        return _linear(x, self.weight, self.bias).contiguous()
+        return linear(x, self.weight, self.bias).contiguous()
 
 
 def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
@@ -112,7 +112,7 @@ def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                scale: float) -> torch.Tensor:
     """q [n, H, hd] against one request's cache k, v [Hkv, S, hd] -> [n, H * hd].
 
@@ -173,9 +173,9 @@ class Decoder:
         for lt in sorted(set(layer_types)):
             inv = getattr(rotary, f"{lt}_inv_freq", None)
             if inv is not None:  # Gemma 3: one RoPE per layer type (local / global)
-                ropes[lt] = _Rope(inv, float(getattr(rotary, f"{lt}_attention_scaling")), dtype, device)
+                ropes[lt] = RopeTable(inv, float(getattr(rotary, f"{lt}_attention_scaling")), dtype, device)
         if not ropes:
-            ropes["default"] = _Rope(rotary.inv_freq, float(rotary.attention_scaling), dtype, device)
+            ropes["default"] = RopeTable(rotary.inv_freq, float(rotary.attention_scaling), dtype, device)
 
         layers = []
         for i, hl in enumerate(base.layers):
@@ -230,7 +230,7 @@ class Decoder:
                        max_len=max_len, dtype=self.kv_dtype, device=self.device)
 
     def compute_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        logits = _linear(last_hidden, self.lm_head).contiguous()  # rows contiguous: argmax, softmax
+        logits = linear(last_hidden, self.lm_head).contiguous()  # rows contiguous: argmax, softmax
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -273,12 +273,12 @@ class Decoder:
         wanted = set(feature_layers)
         feats = {}
         for li, lw in enumerate(self.layers):
-            h = _rms_norm(x, lw.input_norm, eps)
-            qkv = _linear(h, lw.qkv, lw.qkv_bias).contiguous()
+            h = rms_norm(x, lw.input_norm, eps)
+            qkv = linear(h, lw.qkv, lw.qkv_bias).contiguous()
             qk = qkv[:, :q_size + kv_size].view(n_total, H + Hkv, hd)
             v = qkv[:, q_size + kv_size:].view(n_total, Hkv, hd)
             if lw.q_norm is not None:
-                qk = torch.cat([_rms_norm(qk[:, :H], lw.q_norm, eps), _rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
+                qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, eps), rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
             cos, sin = rope_tables[lw.rope]
             qk = qk * cos + qk.roll(hd // 2, -1) * sin   # RoPE on queries and keys at once
             q, k = qk[:, :H], qk[:, H:]
@@ -289,32 +289,32 @@ class Decoder:
                 end = start + n
                 kc[slot, :, start:end] = k[row:row + n].transpose(0, 1)
                 vc[slot, :, start:end] = v[row:row + n].transpose(0, 1)
-                outs.append(_attention(q[row:row + n], kc[slot, :, :end], vc[slot, :, :end],
+                outs.append(attention(q[row:row + n], kc[slot, :, :end], vc[slot, :, :end],
                                        mask_for(lw.window), scale))
                 row += n
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            attn = _linear(attn, lw.o, lw.o_bias)
+            attn = linear(attn, lw.o, lw.o_bias)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich
-                x = x + _rms_norm(attn, lw.post_attn_norm, eps)
-                h = _rms_norm(x, lw.pre_ff_norm, eps)
+                x = x + rms_norm(attn, lw.post_attn_norm, eps)
+                h = rms_norm(x, lw.pre_ff_norm, eps)
             else:
                 x = x + attn
-                h = _rms_norm(x, lw.post_attn_norm, eps)
-            gu = _linear(h, lw.gate_up)
+                h = rms_norm(x, lw.post_attn_norm, eps)
+            gu = linear(h, lw.gate_up)
             g, u = gu.chunk(2, dim=-1)
             if cfg.activation == "silu":
                 g = F.silu(g)
             else:
                 g = F.gelu(g, approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
-            m = _linear(g * u, lw.down)
+            m = linear(g * u, lw.down)
             if lw.post_ff_norm is not None:
-                m = _rms_norm(m, lw.post_ff_norm, eps)
+                m = rms_norm(m, lw.post_ff_norm, eps)
             x = x + m
             if li in wanted:
                 feats[li] = x
         for (slot, n), start in zip(segments, starts):
             cache.lengths[slot] = start + n
-        last_hidden = _rms_norm(x, self.final_norm, eps)
+        last_hidden = rms_norm(x, self.final_norm, eps)
         logits = None
         if isinstance(logits_rows, str) and logits_rows == "last":
             ends = torch.tensor([0] + [n for _, n in segments]).cumsum(0)[1:] - 1
