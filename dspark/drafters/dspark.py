@@ -17,7 +17,6 @@ head come from the target at load time and are never saved twice). Loading never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
-from ..runtime.model import RopeTable, attention, linear, rms_norm, serve_fast
+from ..runtime.model import LayerWeights, RopeTable, attention, linear, rms_norm, serve_fast
 from ..sampling import probs_from_logits, sample_rows, uniforms
 from .backbone import Backbone, packed_block_mask
 from .base import DraftContext, Drafter, Proposal
@@ -143,16 +142,6 @@ class DSparkModel(nn.Module):
         return model.to(dtype)
 
 
-@dataclass
-class _Layer:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
-
 class DSparkDrafter(Drafter):
     """Serving wrapper: per-request context cache, one batched block forward, sequential sampling."""
 
@@ -205,9 +194,10 @@ class DSparkDrafter(Drafter):
         dtype (same weights as training; only how the products are grouped changes)."""
         bb = self.model.backbone
         self._fc = (bb.fc.weight.float() * bb.feature_scale.float()[None]).to(bb.fc.weight.dtype)
-        self._layers = [_Layer(l.input_norm.weight, torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
-                               l.o_proj.weight, l.post_norm.weight,
-                               torch.cat([l.gate_proj.weight, l.up_proj.weight]), l.down_proj.weight)
+        self._layers = [LayerWeights(input_norm=l.input_norm.weight, qkv_bias=None, o_bias=None,
+                                     qkv=torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
+                                     o=l.o_proj.weight, post_attn_norm=l.post_norm.weight,
+                                     gate_up=torch.cat([l.gate_proj.weight, l.up_proj.weight]), down=l.down_proj.weight)
                         for l in bb.layers]
         self._rope = RopeTable(bb.rope.inv_freq, 1.0, bb.fc.weight.dtype, self.device)
 
@@ -281,7 +271,7 @@ class DSparkDrafter(Drafter):
                 outs.append(attention(q[i * g:(i + 1) * g], kc[s, :, :end], vc[s, :, :end], None, scale))
             a = outs[0] if R == 1 else torch.cat(outs)
             x = x + linear(a, lw.o)
-            h = rms_norm(x, lw.post_norm, eps)
+            h = rms_norm(x, lw.post_attn_norm, eps)
             gate, up = linear(h, lw.gate_up).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, lw.down)
         for ctx, n in zip(contexts, new):
