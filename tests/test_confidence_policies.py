@@ -118,22 +118,28 @@ def test_async_capacity_recovers_after_a_step_that_drafted_nothing():
 
 
 @pytest.mark.parametrize("name", ["prefix", "async"])
-def test_drafting_pauses_while_it_does_not_pay_for_itself(name):
-    # drafting + verifying one token doubles the step; the drafts are never accepted: after one
-    # such step the policy stops drafting and only probes again every 8 steps
+def test_no_drafting_when_it_does_not_pay_but_a_one_token_probe_in_turn(name):
+    # drafting + verifying one token costs 1.5x a step and the observed first-token acceptance is
+    # 10 %: neither policy drafts, except one token of one request (in turn) every 8 steps, and that
+    # probe is verified whatever its confidence so that the profile keeps learning
     from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     dear = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
-                     seconds=[[[1.0, 1.1, 1.2], [1.4, 1.5, 1.6]]])
+                     seconds=[[[1.0, 1.5, 1.8], [1.4, 2.1, 2.5]]])
     pol = make_policy(name, 3, cost_table=dear)
+    pol.profile.hits, pol.profile.tries = [0.1, 0.05, 0.05], [1.0] * 3
     reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
         accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(2)]
-    assert max(pol.draft_lengths(reqs, 3)) > 0                 # nothing measured yet: drafts
-    confident = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.99, 0.99, 0.99]))] * 2
-    pol.verify_lengths(reqs, confident)                        # drafted 3 each, then 0 accepted
-    plan = [max(pol.draft_lengths(reqs, 3)) for _ in range(8)]
-    assert pol.value < 1.0
-    assert plan[:7] == [0] * 7 and plan[7] > 0                 # paused, then one probe
+    plans = []
+    for _ in range(16):
+        want = pol.draft_lengths(reqs, 3)
+        props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.01] * w)) if w else Proposal.empty()
+                 for w in want]
+        plans.append((want, pol.verify_lengths(reqs, props)))
+    assert [w for w, _ in plans[:7]] == [[0, 0]] * 7
+    assert plans[7][0] in ([1, 0], [0, 1]) and plans[15][0] in ([1, 0], [0, 1])
+    assert plans[7][0] != plans[15][0]                          # the probe goes round the requests
+    assert plans[7][1] == plans[7][0]                           # and is verified despite c = 0.01
 
 
 def test_prefix_drafts_only_as_deep_as_the_profile_pays():

@@ -176,82 +176,58 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True) 
 
 class _ProfiledPolicy(Policy):
     """Keeps the observed per-position acceptance profile (the survivals of drafters without
-    confidences, and the default for requests the async policy has no snapshot of), and the
-    realised value of drafting: after each step that drafted, the tokens the requests actually
-    emitted per step, priced by the cost table at the drafted length, over what plain decoding
-    would have produced in the same time (an EMA). The policy's decisions inside a step cannot see
-    what drafting itself cost (it is paid before the confidences exist), so while that value is
-    below 1 drafting pauses, re-probed every ``probe_every`` steps."""
+    confidences, what drafting can expect to return, and the default for requests the async policy
+    has no snapshot of). Whether drafting pays is decided on expectations: the profile's
+    acceptance against the cost table, which prices drafting and verifying together. When nothing
+    pays, one request (in turn) drafts and verifies one token every ``probe_every`` steps, so the
+    profile keeps learning at a cost close to nothing, whatever the load."""
 
-    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8, alpha: float = 0.3):
+    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
         self.cost = _CostModel(cost_table)
         self.block = block
         self.profile = _Profile(block or 7)
-        self.probe_every, self.alpha = probe_every, alpha
-        self.value: float | None = None     # EMA of realised drafting value (None: not measured yet)
-        self._pending = None                # (R, drafted per request, accepted counters, context)
-        self._paused = 0
+        self.probe_every = probe_every
+        self._idle = 0          # consecutive steps in which drafting did not pay
+        self._probed = None     # index of the request probed this step, or None
 
     def _refresh(self, requests, block_size) -> int:
         cap = self.block or block_size
         if len(self.profile.tries) < cap:
             self.profile = _Profile(cap)
         self.profile.update(requests)
-        self._settle(requests)
+        self._probed = None
         return cap
 
-    def _settle(self, requests) -> None:
-        p, self._pending = self._pending, None
-        if p is None or self.cost.table is None:
-            return
-        R, drafted, before, ctx = p
-        got = [r.stats.num_accepted_tokens - before[r.id] for r in requests if r.id in before]
-        if not got:
-            return
-        per_request = 1.0 + sum(got) / len(got)
-        ratio = per_request * self.cost.sps(R, R + R * drafted, ctx) / self.cost.sps(R, R, ctx)
-        self.value = ratio if self.value is None else (1 - self.alpha) * self.value + self.alpha * ratio
+    def _probe(self, requests) -> list[int]:
+        """No drafting pays: every ``probe_every`` steps one request, in turn, drafts one token."""
+        self._idle += 1
+        out = [0] * len(requests)
+        if requests and self._idle % self.probe_every == 0:
+            self._probed = (self._idle // self.probe_every) % len(requests)
+            out[self._probed] = 1
+        return out
 
-    def _drafting_paused(self) -> bool:
-        """True while drafting has not paid for itself (one probe step every ``probe_every``)."""
-        if self.value is None or self.value >= 1.0:
-            self._paused = 0
-            return False
-        self._paused += 1
-        return self._paused % self.probe_every != 0
-
-    def _note_drafted(self, requests, proposals) -> None:
-        drafted = sum(len(p) for p in proposals)
-        if drafted:
-            self._pending = (len(requests), drafted / len(requests),
-                             {r.id: r.stats.num_accepted_tokens for r in requests}, _context(requests))
+    def _probe_lengths(self, proposals) -> list[int]:
+        """A probe token is verified whatever its confidence (a decision fixed before drafting)."""
+        out = [0] * len(proposals)
+        out[self._probed] = len(proposals[self._probed])
+        return out
 
 
 class PrefixPolicy(_ProfiledPolicy):
     """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting goes no deeper
     than the depth that pays on the observed acceptance profile, and no more than one beyond what
-    the request verified last step; it is skipped after a run of steps where
-    nothing was worth verifying, and paused while drafting has not paid for itself (both re-probed
-    every ``probe_every`` steps): under heavy load, or with a drafter whose drafts cost more than
-    they return, the engine then runs plain decoding instead of paying for drafts."""
+    the request verified last step; when no depth pays (heavy load, or a drafter whose drafts cost
+    more than they return) the engine runs plain decoding, with a one-token probe now and then."""
 
     name = "prefix"
 
-    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
-        super().__init__(cost_table, block, probe_every)
-        self.idle_steps = 0          # consecutive steps that verified no draft (counted in verify_lengths)
-        self.shallow_steps = 0       # consecutive steps whose profile said no depth pays
-
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        if self._drafting_paused() or (self.idle_steps and self.idle_steps % self.probe_every):
-            return [0] * len(requests)
         depth = self._draft_depth(requests, cap)
-        self.shallow_steps = 0 if depth else self.shallow_steps + 1
-        if not depth:    # not worth drafting on the profile: probe one token now and then
-            if self.shallow_steps % self.probe_every:
-                return [0] * len(requests)
-            depth = 1
+        if not depth:
+            return self._probe(requests)
+        self._idle = 0
         return [min(depth, r.ctx.state.get("_last_verified", depth - 1) + 2) for r in requests]
 
     def _draft_depth(self, requests, cap: int) -> int:
@@ -272,17 +248,17 @@ class PrefixPolicy(_ProfiledPolicy):
     def verify_lengths(self, requests, proposals):
         if not requests:
             return []
-        self._note_drafted(requests, proposals)
-        prof = self.profile.conditional()
-        surv = [_survivals(p, prof) for p in proposals]
-        ctx = _context(requests)
-        R = len(requests)
-        lengths = prefix_schedule(surv, lambda B: self.cost.sps(R, B, ctx))
+        if self._probed is not None:
+            lengths = self._probe_lengths(proposals)
+        else:
+            prof = self.profile.conditional()
+            surv = [_survivals(p, prof) for p in proposals]
+            ctx = _context(requests)
+            R = len(requests)
+            lengths = prefix_schedule(surv, lambda B: self.cost.sps(R, B, ctx))
         for r, p, n in zip(requests, proposals, lengths):
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 r.ctx.state["_last_verified"] = n
-        if any(len(p) for p in proposals):
-            self.idle_steps = 0 if any(lengths) else self.idle_steps + 1
         _record(requests, lengths)
         return lengths
 
@@ -302,13 +278,13 @@ class AsyncPolicy(_ProfiledPolicy):
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        if self._drafting_paused():
-            self.capacity = 0
-            return [0] * len(requests)
         self.capacity, share = self._capacity(requests, cap)
+        if not self.capacity:
+            return self._probe(requests)
+        self._idle = 0
         # no request can be granted more than K tokens, and a request whose candidates two steps
         # ago held n of the top K is unlikely to be granted many more: draft n + 1 at most
-        return [min(cap, self.capacity, n + 1) if self.capacity else 0 for n in share]
+        return [min(cap, self.capacity, n + 1) for n in share]
 
     def _capacity(self, requests, cap) -> tuple[int, list[int]]:
         """(K, per request the number of its stale candidates among the top K)."""
@@ -336,12 +312,14 @@ class AsyncPolicy(_ProfiledPolicy):
         return best_k, share
 
     def verify_lengths(self, requests, proposals):
-        self._note_drafted(requests, proposals)
         prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
         self.history.append({r.id: s for r, s in zip(requests, surv)})
-        lengths = [0] * len(requests)
-        for a, j, i in _sorted_candidates(surv)[:self.capacity]:
-            lengths[i] = max(lengths[i], j + 1)
+        if self._probed is not None:
+            lengths = self._probe_lengths(proposals)
+        else:
+            lengths = [0] * len(requests)
+            for a, j, i in _sorted_candidates(surv)[:self.capacity]:
+                lengths[i] = max(lengths[i], j + 1)
         _record(requests, lengths)
         return lengths
