@@ -47,14 +47,19 @@ class CostTable:
     seconds: list                # [context][R][verified] median seconds per engine step
     machine: str = ""
 
-    def step_seconds(self, requests: int, verified: int, context: int) -> float:
-        """Interpolated (linearly, clamped) seconds of one engine step."""
-        c = int(np.argmin([abs(x - context) for x in self.contexts]))
-        grid = np.asarray(self.seconds[c], dtype=float)
-        r_axis = np.asarray(self.requests, dtype=float)
-        v_axis = np.asarray(self.verified, dtype=float)
-        by_r = np.array([np.interp(verified, v_axis, row) for row in grid])
-        return float(np.interp(requests, r_axis, by_r))
+    def __post_init__(self):
+        self._memo: dict = {}    # schedulers ask for the same few points every step
+
+    def step_seconds(self, requests: int, verified: float, context: int) -> float:
+        """Interpolated (linearly, clamped) seconds of one engine step at the nearest measured context."""
+        c = min(range(len(self.contexts)), key=lambda i: abs(self.contexts[i] - context))
+        key = (requests, verified, c)
+        out = self._memo.get(key)
+        if out is None:
+            v_axis = np.asarray(self.verified, dtype=float)
+            by_r = [np.interp(verified, v_axis, row) for row in np.asarray(self.seconds[c], dtype=float)]
+            out = self._memo[key] = float(np.interp(requests, np.asarray(self.requests, dtype=float), by_r))
+        return out
 
     def to_json(self) -> dict:
         return {"key": self.key, "requests": self.requests, "verified": self.verified,
