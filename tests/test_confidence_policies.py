@@ -165,3 +165,24 @@ def test_prefix_drafts_only_as_deep_as_the_profile_pays():
     pol = policy([1.0, 1.5, 2.0], [0.05, 0.05, 0.05])                                  # nothing pays
     r = reqs()
     assert [pol.draft_lengths(r, 3)[0] for _ in range(8)] == [0] * 7 + [1]
+
+
+def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
+    """The acceptance of verified tokens overstates what a fresh draft returns when only confident
+    tokens get verified: the prefix policy weighs drafting by the calibrated survivals of all
+    proposals (tracked over steps), so confident-looking history does not keep it drafting."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import PrefixPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.3, 1.6], [1.4, 1.9, 2.4]]])
+    pol = PrefixPolicy(table, block=3)
+    pol.profile.hits, pol.profile.tries = [0.9, 0.8, 0.7], [1.0] * 3    # what verified tokens showed
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    assert max(pol.draft_lengths(reqs, 3)) > 0
+    mostly_hopeless = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([c, 0.5, 0.5]))
+                       for c in [0.9] + [0.05] * 7]                        # mean a_1 = 0.16
+    pol.verify_lengths(reqs, mostly_hopeless)
+    assert pol.expected_survivals(3)[0] < 0.2
+    assert pol.draft_lengths(reqs, 3) == [0] * 8                         # 1.16 tokens for 1.36x the time

@@ -189,6 +189,7 @@ class _ProfiledPolicy(Policy):
         self.probe_every = probe_every
         self._idle = 0          # consecutive steps in which drafting did not pay
         self._probed = None     # index of the request probed this step, or None
+        self._mean: list = []   # per position: EMA over proposals of the calibrated prefix survival
 
     def _refresh(self, requests, block_size) -> int:
         cap = self.block or block_size
@@ -197,6 +198,29 @@ class _ProfiledPolicy(Policy):
         self.profile.update(requests)
         self._probed = None
         return cap
+
+    def _note_proposals(self, proposals, beta: float = 0.05) -> None:
+        """Track E[a_k] over ALL drafted blocks from their calibrated confidences. The acceptance
+        observed on verified tokens overstates what a fresh draft returns when the policy verifies
+        only the confident ones; calibrated survivals of every proposal do not."""
+        rows = [_survivals(p, []) for p in proposals if len(p) and p.confidences is not None]
+        for k in range(max((len(r) for r in rows), default=0)):
+            vals = [r[k] for r in rows if len(r) > k]
+            m = sum(vals) / len(vals)
+            if k < len(self._mean):
+                self._mean[k] = (1 - beta) * self._mean[k] + beta * m
+            else:
+                self._mean.append(m)
+
+    def expected_survivals(self, cap: int) -> list[float]:
+        """E[a_1..a_cap] of a fresh draft: tracked means where proposals have reached that deep,
+        else the observed profile (drafters without confidences)."""
+        prof = self.profile.survivals(cap)
+        out = []
+        for k in range(len(prof)):
+            a = self._mean[k] if k < len(self._mean) else prof[k]
+            out.append(min(a, out[-1]) if out else a)
+        return out
 
     def _probe(self, requests) -> list[int]:
         """No drafting pays: every ``probe_every`` steps one request, in turn, drafts one token."""
@@ -238,7 +262,7 @@ class PrefixPolicy(_ProfiledPolicy):
         R = len(requests)
         ctx = _context(requests)
         best_d, best, tau = 0, self.cost.sps(R, R, ctx), 1.0
-        for d, a in enumerate(self.profile.survivals(cap), 1):
+        for d, a in enumerate(self.expected_survivals(cap), 1):
             tau += a
             theta = tau * self.cost.sps(R, R + R * d, ctx)
             if theta > best:
@@ -248,6 +272,7 @@ class PrefixPolicy(_ProfiledPolicy):
     def verify_lengths(self, requests, proposals):
         if not requests:
             return []
+        self._note_proposals(proposals)
         if self._probed is not None:
             lengths = self._probe_lengths(proposals)
         else:
@@ -292,7 +317,7 @@ class AsyncPolicy(_ProfiledPolicy):
         if not R:
             return 0, []
         stale = self.history[0] if len(self.history) == self.history.maxlen else {}
-        prof = self.profile.survivals(cap)
+        prof = self.expected_survivals(cap)
         cands = []
         for i, r in enumerate(requests):
             # requests that joined since, or drafted nothing then: the observed default profile
@@ -312,6 +337,7 @@ class AsyncPolicy(_ProfiledPolicy):
         return best_k, share
 
     def verify_lengths(self, requests, proposals):
+        self._note_proposals(proposals)
         prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
         self.history.append({r.id: s for r, s in zip(requests, surv)})
