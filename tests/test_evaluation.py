@@ -61,3 +61,21 @@ def test_concurrency_bench_json(capsys, tmp_path):
     assert png.stat().st_size > 1000
     assert main(["bench", "concurrency", "--policies", "bogus"]) == 2
     assert main(["bench", "concurrency", "--concurrency", "0"]) == 2
+
+
+def test_concurrency_repeats_report_totals(capsys):
+    from dspark.evaluation.concurrency import combine_runs
+    a = {"policy": "p", "concurrency": 2, "requests": 2, "tokens": 20, "wall_seconds": 2.0, "rounds": 9,
+         "step_seconds": 1.8, "decision_seconds": 0.018, "engine_steps": 9, "num_draft_tokens": 0,
+         "num_accepted_tokens": 0, "per_user_tokens_per_second": 6.0}
+    b = dict(a, tokens=10, wall_seconds=3.0, rounds=4, requests=1, step_seconds=2.7, engine_steps=4,
+             decision_seconds=0.0, per_user_tokens_per_second=3.0)
+    c = combine_runs([a, b])
+    assert c["total_tokens_per_second"] == 30 / 5.0 and c["repeats"] == 2
+    assert c["per_user_tokens_per_second"] == (6.0 * 2 + 3.0) / 3
+    assert c["accept_length"] == (30 - 3) / 13 and abs(c["decision_share"] - 0.018 / 4.5) < 1e-12
+    assert main(["bench", "concurrency", "--concurrency", "2", "--policies", "plain,mtp1", "--repeats", "2",
+                 "--num-prompts", "2", "--max-new-tokens", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert [(r["policy"], r["repeats"], r["requests"]) for r in res] == [("plain", 2, 4), ("mtp1", 2, 4)]
+    assert main(["bench", "concurrency", "--repeats", "0"]) == 2

@@ -56,12 +56,31 @@ def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurren
     accepted = sum(r.stats.num_accepted_tokens for r in done)
     rounds = sum(r.stats.num_rounds for r in done)
     return {"policy": label or policy.name, "concurrency": concurrency, "requests": len(done),
+            "tokens": tokens, "wall_seconds": wall, "rounds": rounds,
+            "step_seconds": engine.step_seconds, "decision_seconds": engine.policy_seconds,
             "total_tokens_per_second": tokens / wall, "per_user_tokens_per_second": per_user,
             "engine_steps": engine.num_steps, "num_draft_tokens": drafted,
             "num_accepted_tokens": accepted,
             "decision_ms_per_step": 1000 * engine.policy_seconds / max(1, engine.num_steps),
             "decision_share": engine.policy_seconds / engine.step_seconds if engine.step_seconds else 0.0,
             "accept_length": (tokens - len(done)) / rounds if rounds else 0.0}
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """Repeats of one (policy, concurrency) as one result: totals over all of them."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for k in ("requests", "tokens", "wall_seconds", "rounds", "step_seconds", "decision_seconds",
+              "engine_steps", "num_draft_tokens", "num_accepted_tokens"):
+        out[k] = sum(r[k] for r in runs)
+    out["total_tokens_per_second"] = out["tokens"] / out["wall_seconds"]
+    out["per_user_tokens_per_second"] = sum(r["per_user_tokens_per_second"] * r["requests"] for r in runs) / out["requests"]
+    out["decision_ms_per_step"] = 1000 * out["decision_seconds"] / max(1, out["engine_steps"])
+    out["decision_share"] = out["decision_seconds"] / out["step_seconds"] if out["step_seconds"] else 0.0
+    out["accept_length"] = (out["tokens"] - out["requests"]) / out["rounds"] if out["rounds"] else 0.0
+    out["repeats"] = len(runs)
+    return out
 
 
 def run_concurrency_bench(args) -> int:
@@ -84,10 +103,16 @@ def run_concurrency_bench(args) -> int:
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     results = []
     for c in levels:
+        runs: dict[str, list] = {name: [] for name in policies}
+        for rep in range(args.repeats):
+            # a shared machine drifts: every repeat runs the policies in the reverse order of the
+            # previous one, so that a slow spell does not land on the same policies every time
+            for name in (policies if rep % 2 == 0 else policies[::-1]):
+                policy, padded = _policy(name, block, cost_table)
+                runs[name].append(run_closed_loop(target, drafter, policy, prompts, c, args.max_new_tokens,
+                                                  params, block, padded=padded, label=name, cost_table=cost_table))
         for name in policies:
-            policy, padded = _policy(name, block, cost_table)
-            res = run_closed_loop(target, drafter, policy, prompts, c, args.max_new_tokens, params,
-                                  block, padded=padded, label=name, cost_table=cost_table)
+            res = combine_runs(runs[name])
             results.append(res)
             print(f"concurrency {c:>3} {name:>6}: total {res['total_tokens_per_second']:.1f} tok/s, "
                   f"per user {res['per_user_tokens_per_second']:.1f} tok/s, "
