@@ -212,10 +212,10 @@ class DSparkDrafter(Drafter):
         c = self.config
         H, Hkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         qs, ks = H * hd, Hkv * hd
+        slots = [self._slot(ctx) for ctx in contexts]     # allocates the cache on first use
+        cache = self.cache
         feats, starts, new = [], [], []
-        for ctx in contexts:
-            slot = self._slot(ctx)
-            cache = self.cache
+        for ctx, slot in zip(contexts, slots):
             n = sum(f.shape[0] for f in ctx.features)
             if cache.lengths[slot] + n != len(ctx.tokens) - 1:
                 raise RuntimeError("drafter context out of step with the request")
@@ -231,8 +231,8 @@ class DSparkDrafter(Drafter):
         bb = self.model.backbone
         dev = self.device
         rows_slot, rows_pos = [], []      # cache slot and position of every row (context rows, then block rows)
-        for ctx, s, n in zip(contexts, starts, new):
-            rows_slot += [ctx.state["slot"]] * n
+        for slot, s, n in zip(slots, starts, new):
+            rows_slot += [slot] * n
             rows_pos += range(s, s + n)
         for ctx in active:
             end = len(ctx.tokens) - 1     # the anchor's position
@@ -274,8 +274,8 @@ class DSparkDrafter(Drafter):
             h = rms_norm(x, lw.post_attn_norm, eps)
             gate, up = linear(h, lw.gate_up).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, lw.down)
-        for ctx, n in zip(contexts, new):
-            cache.lengths[ctx.state["slot"]] += n
+        for slot, n in zip(slots, new):
+            cache.lengths[slot] += n
         return rms_norm(x, bb.norm.weight, eps).view(R, g, -1) if R else None
 
     @torch.inference_mode()

@@ -199,11 +199,12 @@ class _ProfiledPolicy(Policy):
         self._probed = None
         return cap
 
-    def _note_proposals(self, proposals, beta: float = 0.05) -> None:
-        """Track E[a_k] over ALL drafted blocks from their calibrated confidences. The acceptance
-        observed on verified tokens overstates what a fresh draft returns when the policy verifies
-        only the confident ones; calibrated survivals of every proposal do not."""
-        rows = [_survivals(p, []) for p in proposals if len(p) and p.confidences is not None]
+    def _note_proposals(self, proposals, survivals, beta: float = 0.05) -> None:
+        """Track E[a_k] over ALL drafted blocks from their calibrated confidences (``survivals``:
+        each proposal's a_1..a_l). The acceptance observed on verified tokens overstates what a
+        fresh draft returns when the policy verifies only the confident ones; calibrated survivals
+        of every proposal do not."""
+        rows = [a for p, a in zip(proposals, survivals) if len(p) and p.confidences is not None]
         for k in range(max((len(r) for r in rows), default=0)):
             vals = [r[k] for r in rows if len(r) > k]
             m = sum(vals) / len(vals)
@@ -272,12 +273,12 @@ class PrefixPolicy(_ProfiledPolicy):
     def verify_lengths(self, requests, proposals):
         if not requests:
             return []
-        self._note_proposals(proposals)
+        prof = self.profile.conditional()
+        surv = [_survivals(p, prof) for p in proposals]
+        self._note_proposals(proposals, surv)
         if self._probed is not None:
             lengths = self._probe_lengths(proposals)
         else:
-            prof = self.profile.conditional()
-            surv = [_survivals(p, prof) for p in proposals]
             ctx = _context(requests)
             R = len(requests)
             lengths = prefix_schedule(surv, lambda B: self.cost.sps(R, B, ctx))
@@ -337,9 +338,9 @@ class AsyncPolicy(_ProfiledPolicy):
         return best_k, share
 
     def verify_lengths(self, requests, proposals):
-        self._note_proposals(proposals)
         prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
+        self._note_proposals(proposals, surv)
         self.history.append({r.id: s for r, s in zip(requests, surv)})
         if self._probed is not None:
             lengths = self._probe_lengths(proposals)
