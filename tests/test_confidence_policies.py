@@ -186,3 +186,25 @@ def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
     pol.verify_lengths(reqs, mostly_hopeless)
     assert pol.expected_survivals(3)[0] < 0.2
     assert pol.draft_lengths(reqs, 3) == [0] * 8                         # 1.16 tokens for 1.36x the time
+
+
+def test_async_drafts_only_for_requests_that_held_part_of_the_capacity():
+    """K is priced as K verified tokens; a drafter forward over every request would cost more than
+    that. Requests whose survivals two steps ago held none of the top K draft nothing."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import AsyncPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.05, 1.2], [1.4, 1.9, 2.4]]])
+    pol = AsyncPolicy(table, block=3)
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    confident = [0.95] * 3
+    props = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor(confident if i == 0 else [0.02] * 3))
+             for i in range(8)]
+    pol.capacity = 3
+    for _ in range(2):                       # the snapshot two steps back: one confident request
+        pol.verify_lengths(reqs, props)
+    want = pol.draft_lengths(reqs, 3)
+    assert 0 < pol.capacity <= 3 and want[0] > 0
+    assert want[1:] == [0] * 7

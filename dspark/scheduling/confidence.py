@@ -308,9 +308,10 @@ class AsyncPolicy(_ProfiledPolicy):
         if not self.capacity:
             return self._probe(requests)
         self._idle = 0
-        # no request can be granted more than K tokens, and a request whose candidates two steps
-        # ago held n of the top K is unlikely to be granted many more: draft n + 1 at most
-        return [min(cap, self.capacity, n + 1) for n in share]
+        # only requests whose stale candidates held some of the top K draft (the capacity search
+        # priced K verified tokens, not a drafter forward over every request), each n + 1 at most:
+        # no request can be granted more than K, and one that held n is unlikely to get many more
+        return [min(cap, self.capacity, n + 1) if n else 0 for n in share]
 
     def _capacity(self, requests, cap) -> tuple[int, list[int]]:
         """(K, per request the number of its stale candidates among the top K)."""
