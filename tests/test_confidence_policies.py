@@ -208,3 +208,25 @@ def test_async_drafts_only_for_requests_that_held_part_of_the_capacity():
     want = pol.draft_lengths(reqs, 3)
     assert 0 < pol.capacity <= 3 and want[0] > 0
     assert want[1:] == [0] * 7
+
+
+def test_async_prices_the_fixed_cost_of_a_drafter_call():
+    """At 8 requests one draft token priced by interpolation costs 1/8 of the all-drafting step's
+    extra (0.125 s), but any drafter call costs at least what it adds at one request (0.3 s): one
+    request's candidate that survives 90 % of the time pays under the first price, not the second."""
+    from types import SimpleNamespace
+    from dspark.scheduling.confidence import AsyncPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]])
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+
+    def capacity(row0):
+        pol = AsyncPolicy(table, block=3)
+        snap = {i: row0 if i == 0 else [0.05, 0.01, 0.0] for i in range(8)}
+        pol.history.extend([snap, snap])        # the survivals of two steps ago
+        return pol._capacity(reqs, 3)[0]
+
+    assert 8.9 / 2.125 > 8 / 2.0 > 8.9 / 2.3     # the two prices of the 90 % candidate
+    assert capacity([0.9, 0.09, 0.01]) == 0
+    assert capacity([1.0, 1.0, 1.0]) == 3          # 11 tokens / 2.375 s: three sure drafts pay for the call

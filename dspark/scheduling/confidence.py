@@ -140,6 +140,17 @@ class _CostModel:
         per = max(0.0, (tokens - requests) / max(1, requests))
         return 1.0 / self.table.step_seconds(requests, per, context)
 
+    def call_floor(self, requests: int, context: int) -> float:
+        """The least a step costs once any request drafts: the table's rows have every request
+        drafting, so interpolating prices a drafter call by its share of tokens; a call has a fixed
+        cost too (per-layer work of any batch), taken as what drafting and verifying one token adds
+        at one request."""
+        if self.table is None:
+            return 0.0
+        t = self.table
+        extra = t.step_seconds(1, 1, context) - t.step_seconds(1, 0, context)
+        return t.step_seconds(requests, 0, context) + max(0.0, extra)
+
 
 def _context(requests) -> int:
     return int(sum(len(r.ctx.tokens) for r in requests) / max(1, len(requests)))
@@ -327,10 +338,11 @@ class AsyncPolicy(_ProfiledPolicy):
             cands.extend((a, i) for a in (stale.get(r.id) or prof))
         cands.sort(key=lambda t: -t[0])
         ctx = _context(requests)
+        floor = self.cost.call_floor(R, ctx)
         best_k, best, tau = 0, R * self.cost.sps(R, R, ctx), float(R)
         for k, (a, _) in enumerate(cands, 1):       # full search: no early stop needed
             tau += a
-            theta = tau * self.cost.sps(R, R + k, ctx)
+            theta = tau / max(1.0 / self.cost.sps(R, R + k, ctx), floor)
             if theta > best:
                 best, best_k = theta, k
         share = [0] * R
