@@ -55,15 +55,20 @@ def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurren
     drafted = sum(r.stats.num_draft_tokens for r in done)
     accepted = sum(r.stats.num_accepted_tokens for r in done)
     rounds = sum(r.stats.num_rounds for r in done)
-    return {"policy": label or policy.name, "concurrency": concurrency, "requests": len(done),
-            "tokens": tokens, "wall_seconds": wall, "rounds": rounds,
-            "step_seconds": engine.step_seconds, "decision_seconds": engine.policy_seconds,
-            "total_tokens_per_second": tokens / wall, "per_user_tokens_per_second": per_user,
-            "engine_steps": engine.num_steps, "num_draft_tokens": drafted,
-            "num_accepted_tokens": accepted,
-            "decision_ms_per_step": 1000 * engine.policy_seconds / max(1, engine.num_steps),
-            "decision_share": engine.policy_seconds / engine.step_seconds if engine.step_seconds else 0.0,
-            "accept_length": (tokens - len(done)) / rounds if rounds else 0.0}
+    return _with_rates({"policy": label or policy.name, "concurrency": concurrency, "requests": len(done),
+                        "tokens": tokens, "wall_seconds": wall, "rounds": rounds,
+                        "step_seconds": engine.step_seconds, "decision_seconds": engine.policy_seconds,
+                        "per_user_tokens_per_second": per_user, "engine_steps": engine.num_steps,
+                        "num_draft_tokens": drafted, "num_accepted_tokens": accepted})
+
+
+def _with_rates(out: dict) -> dict:
+    """Fill the rates derived from a result's totals (one run or the sum of repeats)."""
+    out["total_tokens_per_second"] = out["tokens"] / out["wall_seconds"]
+    out["decision_ms_per_step"] = 1000 * out["decision_seconds"] / max(1, out["engine_steps"])
+    out["decision_share"] = out["decision_seconds"] / out["step_seconds"] if out["step_seconds"] else 0.0
+    out["accept_length"] = (out["tokens"] - out["requests"]) / out["rounds"] if out["rounds"] else 0.0
+    return out
 
 
 def combine_runs(runs: list[dict]) -> dict:
@@ -74,13 +79,9 @@ def combine_runs(runs: list[dict]) -> dict:
     for k in ("requests", "tokens", "wall_seconds", "rounds", "step_seconds", "decision_seconds",
               "engine_steps", "num_draft_tokens", "num_accepted_tokens"):
         out[k] = sum(r[k] for r in runs)
-    out["total_tokens_per_second"] = out["tokens"] / out["wall_seconds"]
     out["per_user_tokens_per_second"] = sum(r["per_user_tokens_per_second"] * r["requests"] for r in runs) / out["requests"]
-    out["decision_ms_per_step"] = 1000 * out["decision_seconds"] / max(1, out["engine_steps"])
-    out["decision_share"] = out["decision_seconds"] / out["step_seconds"] if out["step_seconds"] else 0.0
-    out["accept_length"] = (out["tokens"] - out["requests"]) / out["rounds"] if out["rounds"] else 0.0
     out["repeats"] = len(runs)
-    return out
+    return _with_rates(out)
 
 
 def run_concurrency_bench(args) -> int:
