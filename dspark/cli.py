@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-prompts", type=_positive_int, default=8)
     s.add_argument("--max-new-tokens", type=_positive_int, default=128)
     s.add_argument("--systems", default=None,
-                   help="comma list (default: all available): hf-plain, hf-prompt-lookup, plain, "
-                        "ngram, ngram-hf-rule, llama.cpp-plain, llama.cpp-prompt-lookup; also the "
+                   help="comma list (default: all available): hf-plain, hf-prompt-lookup, plain, ngram, "
+                        "ngram-no-history, ngram-hf-rule, llama.cpp-plain, llama.cpp-prompt-lookup; also the "
                         "trained drafters dspark, dflash, dflash-5, eagle3, dspark-rnn; ngram and the trained "
                         "ones may name their verification policy: dspark@prefix (default: the whole block)")
     s.add_argument("--num-draft", type=_int, default=None, help="drafted tokens per round (default: "

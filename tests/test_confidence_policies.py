@@ -211,13 +211,14 @@ def test_async_drafts_only_for_requests_that_held_part_of_the_capacity():
 
 
 def test_async_prices_the_fixed_cost_of_a_drafter_call():
-    """At 8 requests one draft token priced by interpolation costs 1/8 of the all-drafting step's
-    extra (0.125 s), but any drafter call costs at least what it adds at one request (0.3 s): one
-    request's candidate that survives 90 % of the time pays under the first price, not the second."""
+    """At 8 requests one draft token priced by interpolating whole steps costs 1/8 of the
+    all-drafting step's extra (0.125 s), but a drafter call for one request costs what the table
+    measured for it (0.3 - 0.35 s) on top of the target's part (0.025 s): one request's candidate
+    that survives 90 % of the time pays under the first price, not the second."""
     from types import SimpleNamespace
     from dspark.scheduling.confidence import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
-                      seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]])
+                      seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
     reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
         accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
 
@@ -227,6 +228,9 @@ def test_async_prices_the_fixed_cost_of_a_drafter_call():
         pol.history.extend([snap, snap])        # the survivals of two steps ago
         return pol._capacity(reqs, 3)[0]
 
-    assert 8.9 / 2.125 > 8 / 2.0 > 8.9 / 2.3     # the two prices of the 90 % candidate
+    assert 8.9 / 2.125 > 8 / 2.0 > 8.9 / (2.025 + 0.325)    # the two prices of the 90 % candidate
     assert capacity([0.9, 0.09, 0.01]) == 0
-    assert capacity([1.0, 1.0, 1.0]) == 3          # 11 tokens / 2.375 s: three sure drafts pay for the call
+    assert capacity([1.0, 1.0, 1.0]) == 3          # 11 tokens / 2.425 s: three sure drafts pay for the call
+    table.draft = None
+    table.__post_init__()
+    assert capacity([0.9, 0.09, 0.01]) > 0         # what the interpolated price would have done

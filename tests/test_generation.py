@@ -103,3 +103,27 @@ def test_ngram_lookup_prefers_longest_most_recent_match():
     assert weak.tokens.tolist() == [9, 9, 9]   # a 1-token match proposes at most weak_match_tokens
     # vote: "1" was followed by 2 twice and by 7 once; the most recent "1 -> 2" wins over "1 -> 7"
     assert lookup(np.array([1, 2, 5, 1, 2, 6, 1, 7, 3, 1]), 2)[0].tolist() == [2, 6]
+
+
+def test_ngram_history_of_earlier_requests():
+    from dspark.drafters import DraftContext
+
+    def propose(d, toks, k=4):
+        return d.propose([DraftContext(list(toks), GREEDY, None, k)])[0].tokens.tolist()
+
+    d = NgramDrafter(block_size=4)
+    assert propose(d, [20, 11, 12]) == []
+    d.release(DraftContext([10, 11, 12, 13, 14], GREEDY, None, 0))
+    assert propose(d, [20, 11, 12]) == [13, 14]        # a 2-token match in the history; stops at its end
+    assert propose(d, [30, 12]) == []                  # a 1-token match there is too weak to follow
+    assert propose(d, [7, 12, 9, 11, 12]) == [13, 14]  # longer match in the history beats "12" of its own
+    assert propose(d, [11, 12, 50, 11, 12]) == [50, 11, 12]   # at equal length its own text wins
+    d.release(DraftContext([40, 11, 12, 60, 61, 62], GREEDY, None, 0))
+    assert propose(d, [20, 11, 12]) == [60, 61, 62]    # the most recent occurrence (tied vote)
+    small = NgramDrafter(block_size=4, history_tokens=4)
+    small.release(DraftContext([10, 11, 12, 13, 14], GREEDY, None, 0))
+    assert propose(small, [20, 11, 12]) == []          # only the newest 4 tokens are kept
+    assert propose(small, [20, 13, 14]) == []          # ... and "13 14" ends its request: nothing follows
+    off = NgramDrafter(block_size=4, history_tokens=0)
+    off.release(DraftContext([10, 11, 12, 13, 14], GREEDY, None, 0))
+    assert propose(off, [20, 11, 12]) == []

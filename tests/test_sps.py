@@ -39,6 +39,16 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     assert again.step_seconds(1, 0, 16) == pytest.approx(s00)
     assert min(s00, s02) <= again.step_seconds(1, 1, 16) <= max(s00, s02)
     assert again.step_seconds(99, 0, 16) == pytest.approx(table.seconds[0][1][0])
+    # the drafter's share of each step was measured too (none in plain steps), and survives the round trip
+    assert again.draft == table.draft
+    assert all(r[0] == 0 and all(0 < d < s for d, s in zip(r[1:], sr[1:]))
+               for c, sc in zip(table.draft, table.seconds) for r, sr in zip(c, sc))
+    import json
+    old = table.to_json()
+    del old["draft"]
+    path.write_text(json.dumps(old))
+    with pytest.raises(DsparkError, match="older dspark"):
+        sps.CostTable.find(table.key)
     path.write_text("{ not json")
     with pytest.raises(DsparkError, match="dspark profile"):
         sps.CostTable.find(table.key)
@@ -58,3 +68,16 @@ def test_profile_runs_drafters_that_read_target_features():
     table = prof.profile(target, drafter, [[1, 2, 3, 4]], requests=(1, 2), verified=(0, 1, 3), contexts=(8,),
                         repeats=1)
     assert all(s > 0 for c in table.seconds for r in c for s in r)
+
+
+def test_a_drafter_call_is_priced_whole():
+    """A step in which some requests draft = the target's part of a step at that many verified
+    tokens + the drafter's call for the requests that drafted, never a fraction of a call."""
+    t = sps.CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
+    assert t.target_seconds(8, 1, 8) == pytest.approx(2.2)
+    assert t.target_seconds(8, 0.5, 8) == pytest.approx(2.1)
+    assert t.drafter_seconds(1, 3, 8) == pytest.approx(0.35)
+    assert t.drafter_seconds(1, 0.5, 8) == pytest.approx(0.3)    # half a token still costs a call
+    assert t.drafter_seconds(0, 2, 8) == 0 and t.drafter_seconds(3, 0, 8) == 0
+    assert t.step_seconds(8, 1, 8) == pytest.approx(t.target_seconds(8, 1, 8) + t.drafter_seconds(8, 1, 8))

@@ -1,4 +1,5 @@
-"""``dspark profile``: measure full engine steps on this machine into the cost table."""
+"""``dspark profile``: measure full engine steps on this machine into the cost table, and the
+drafter's share of each."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..scheduling.sps import CostTable, table_key_for
 
 class _ExactLength(Drafter):
     """Runs the real drafter, then pads or cuts each proposal to exactly the requested length so
-    that a profiled step verifies exactly that many tokens."""
+    that a profiled step verifies exactly that many tokens; ``seconds`` sums the real drafter's time."""
 
     def __init__(self, inner: Drafter, vocab: int):
         self.inner = inner
@@ -26,6 +27,7 @@ class _ExactLength(Drafter):
         self.feature_layers = inner.feature_layers   # the engine hands the target features on
         self.vocab = vocab
         self.gen = torch.Generator().manual_seed(0)
+        self.seconds = 0.0
 
     def prepare(self, max_requests, max_len):
         self.inner.prepare(max_requests, max_len)
@@ -35,7 +37,10 @@ class _ExactLength(Drafter):
 
     def propose(self, contexts):
         out = []
-        for ctx, p in zip(contexts, self.inner.propose(contexts)):
+        t = time.perf_counter()
+        proposals = self.inner.propose(contexts)
+        self.seconds += time.perf_counter() - t
+        for ctx, p in zip(contexts, proposals):
             need = ctx.num_draft - len(p)
             if need > 0:
                 pad = torch.randint(0, self.vocab, (need,), generator=self.gen)
@@ -47,25 +52,26 @@ class _ExactLength(Drafter):
 def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 4, 8, 16, 32),
             verified=(0, 1, 2, 3, 5, 7), contexts=(128, 512), repeats: int = 5, progress=None,
             temperature: float = 1.0) -> CostTable:
-    """Median seconds of full engine steps, sampling at ``temperature`` (1 by default: drafting
+    """Median seconds of full engine steps and of the drafter's call in them, sampling at ``temperature`` (1 by default: drafting
     and rejection sampling over the whole vocabulary cost more than the greedy path, and a table
     measured greedy made drafting look cheaper than it is when serving sampled requests)."""
     params = SamplingParams(temperature=temperature, seed=0)
     vocab = target.model.config.vocab_size
-    grid = []
+    grid, draft_grid = [], []
     max_v = max(verified)
     for ctx_len in contexts:
-        per_ctx = []
+        per_ctx, draft_ctx = [], []
         base = []
         for p in prompts:  # stretch or cut real prompts to the context length
             seq = (p * (ctx_len // max(len(p), 1) + 1))[:ctx_len]
             base.append(seq)
         for R in requests:
-            row = []
+            row, draft_row = [], []
             # one engine per (context, R): prefill once, then time steps at each verified length
             per_v = repeats + 1
             new_tokens = sum(per_v * (v + 1) for v in verified) + 2
-            engine = Engine(target.model, _ExactLength(drafter, vocab), FixedPolicy(0), max_requests=R,
+            exact = _ExactLength(drafter, vocab)
+            engine = Engine(target.model, exact, FixedPolicy(0), max_requests=R,
                             max_len=ctx_len + new_tokens + max_v + 2, block_size=max_v,
                             prefill_chunk=1 << 30)
             reqs = [engine.add_request(base[i % len(base)], params, new_tokens, stop_ids=())
@@ -74,20 +80,25 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
             for v in verified:
                 engine.policy = FixedPolicy(v)
                 engine.step()  # warm-up at this shape
-                times = []
+                times, drafting = [], []
                 for _ in range(repeats):
+                    exact.seconds = 0.0
                     t = time.perf_counter()
                     engine.step()
                     times.append(time.perf_counter() - t)
+                    drafting.append(exact.seconds)
                 row.append(statistics.median(times))
+                draft_row.append(statistics.median(drafting) if v else 0.0)
                 if progress:
                     progress(ctx_len, R, v, row[-1])
             for r in reqs:
                 engine.cancel(r)
             per_ctx.append(row)
+            draft_ctx.append(draft_row)
         grid.append(per_ctx)
+        draft_grid.append(draft_ctx)
     return CostTable(table_key_for(target, drafter), list(requests), list(verified), list(contexts), grid,
-                     machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads")
+                     machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads", draft=draft_grid)
 
 
 def plot(table: CostTable, path) -> None:
@@ -95,12 +106,13 @@ def plot(table: CostTable, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(table.contexts), figsize=(5 * len(table.contexts), 4), squeeze=False)
-    for ax, ctx, grid in zip(axes[0], table.contexts, table.seconds):
-        for R, row in zip(table.requests, grid):
-            ax.plot(table.verified, [1e3 * s for s in row], marker="o", label=f"{R} req")
+    for ax, ctx, grid, draft in zip(axes[0], table.contexts, table.seconds, table.draft):
+        for R, row, drow in zip(table.requests, grid, draft):
+            line, = ax.plot(table.verified, [1e3 * s for s in row], marker="o", label=f"{R} req")
+            ax.plot(table.verified, [1e3 * s for s in drow], ls="--", color=line.get_color())
         ax.set_title(f"context {ctx}")
         ax.set_xlabel("draft tokens verified per request")
-        ax.set_ylabel("ms per engine step")
+        ax.set_ylabel("ms per engine step (dashed: the drafter's call)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(table.key)

@@ -27,17 +27,18 @@ from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
 from ..scheduling.sps import CostTable, table_key_for
 
-ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-hf-rule", "llama.cpp-plain",
-               "llama.cpp-prompt-lookup")
+ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-no-history", "ngram-hf-rule",
+               "llama.cpp-plain", "llama.cpp-prompt-lookup")
 # trained drafters run on our engine too when named (not in the default set: they need a checkpoint)
 TRAINED_SYSTEMS = ("dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
 # our drafting systems may name their verification policy (ngram@prefix, dspark@async; default: the
 # whole block every round)
 POLICY_SYSTEMS = ("ngram",) + TRAINED_SYSTEMS
 # ngram-hf-rule: our engine with HF's lookup rule (earliest match of a 2-gram, else 1-gram, 10
-# tokens), to compare lookup rules on the same text
+# tokens), to compare lookup rules on the same text; ngram-no-history: our rule on the request's own
+# text only (as HF's), without the history of the prompts served before it
 BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule": "plain",
-               "llama.cpp-prompt-lookup": "llama.cpp-plain"}   # trained drafters (with any @policy): plain
+               "ngram-no-history": "plain", "llama.cpp-prompt-lookup": "llama.cpp-plain"}   # trained drafters (with any @policy): plain
 
 
 @dataclass
@@ -178,8 +179,12 @@ def run_speed_bench(args) -> int:
             runners[s] = _ours_system(target, drafter, max_new, eos, temp, seed,
                                       _policy_factory(pol, target, drafter) if pol else None)
         elif s == "ngram-hf-rule":
-            hf_rule = NgramDrafter(block_size=10, max_ngram=2, weak_match_tokens=10, rule="first")
+            hf_rule = NgramDrafter(block_size=10, max_ngram=2, weak_match_tokens=10, rule="first",
+                                   history_tokens=0)
             runners[s] = _ours_system(target, hf_rule, max_new, eos, temp, seed)
+        elif s == "ngram-no-history":
+            own = NgramDrafter(block_size=args.num_draft or 10, history_tokens=0)
+            runners[s] = _ours_system(target, own, max_new, eos, temp, seed)
         else:
             if not target.path.is_file():
                 skipped[s] = "llama.cpp needs a GGUF target"

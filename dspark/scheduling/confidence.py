@@ -129,27 +129,24 @@ class EMAPolicy(Policy):
 
 
 class _CostModel:
-    """Steps per second for R requests verifying B tokens in all (anchors included)."""
+    """Seconds of an engine step, from the cost table."""
 
     def __init__(self, cost_table):
         self.table = cost_table
 
-    def sps(self, requests: int, tokens: int, context: int) -> float:
-        if self.table is None:       # no profile: every token is free (the fixed policy's view)
-            return 1.0
-        per = max(0.0, (tokens - requests) / max(1, requests))
-        return 1.0 / self.table.step_seconds(requests, per, context)
-
-    def call_floor(self, requests: int, context: int) -> float:
-        """The least a step costs once any request drafts: the table's rows have every request
-        drafting, so interpolating prices a drafter call by its share of tokens; a call has a fixed
-        cost too (per-layer work of any batch), taken as what drafting and verifying one token adds
-        at one request."""
-        if self.table is None:
-            return 0.0
+    def seconds(self, requests: int, extra: float, context: int, drafting: int | None = None,
+                depth: float = 0.0) -> float:
+        """A step of R requests verifying ``extra`` drafted tokens in all (beyond the R anchors).
+        ``drafting``: how many requests drafted, ``depth`` tokens each on average; None = all R,
+        ``extra / R`` each (the table's own rows). Without a table every token is free (the
+        fixed policy's view): 1 s a step whatever it verifies."""
         t = self.table
-        extra = t.step_seconds(1, 1, context) - t.step_seconds(1, 0, context)
-        return t.step_seconds(requests, 0, context) + max(0.0, extra)
+        if t is None:
+            return 1.0
+        per = max(0.0, extra / max(1, requests))
+        if drafting is None:
+            return t.step_seconds(requests, per, context)
+        return t.target_seconds(requests, per, context) + t.drafter_seconds(drafting, depth, context)
 
 
 def _context(requests) -> int:
@@ -273,10 +270,10 @@ class PrefixPolicy(_ProfiledPolicy):
         Drafting beyond it costs more than Algorithm 1 could ever verify profitably on average."""
         R = len(requests)
         ctx = _context(requests)
-        best_d, best, tau = 0, self.cost.sps(R, R, ctx), 1.0
+        best_d, best, tau = 0, 1.0 / self.cost.seconds(R, 0, ctx), 1.0
         for d, a in enumerate(self.expected_survivals(cap), 1):
             tau += a
-            theta = tau * self.cost.sps(R, R + R * d, ctx)
+            theta = tau / self.cost.seconds(R, R * d, ctx)
             if theta > best:
                 best, best_d = theta, d
         return best_d
@@ -290,9 +287,13 @@ class PrefixPolicy(_ProfiledPolicy):
         if self._probed is not None:
             lengths = self._probe_lengths(proposals)
         else:
+            # the drafter's call is paid already: a longer verification costs only the target's part
             ctx = _context(requests)
             R = len(requests)
-            lengths = prefix_schedule(surv, lambda B: self.cost.sps(R, B, ctx))
+            drafted = [len(p) for p in proposals if len(p)]
+            depth = sum(drafted) / max(1, len(drafted))
+            lengths = prefix_schedule(
+                surv, lambda B: 1.0 / self.cost.seconds(R, B - R, ctx, len(drafted), depth))
         for r, p, n in zip(requests, proposals, lengths):
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 r.ctx.state["_last_verified"] = n
@@ -338,11 +339,16 @@ class AsyncPolicy(_ProfiledPolicy):
             cands.extend((a, i) for a in (stale.get(r.id) or prof))
         cands.sort(key=lambda t: -t[0])
         ctx = _context(requests)
-        floor = self.cost.call_floor(R, ctx)
-        best_k, best, tau = 0, R * self.cost.sps(R, R, ctx), float(R)
-        for k, (a, _) in enumerate(cands, 1):       # full search: no early stop needed
+        # the top k candidates: k verified tokens, and a drafter call over the requests holding them,
+        # each drafting one more than it holds (see draft_lengths)
+        best_k, best, tau = 0, R / self.cost.seconds(R, 0, ctx, 0), float(R)
+        held, drafting, drafted = [0] * R, 0, 0
+        for k, (a, i) in enumerate(cands, 1):       # full search: no early stop needed
             tau += a
-            theta = tau / max(1.0 / self.cost.sps(R, R + k, ctx), floor)
+            drafting += held[i] == 0
+            drafted += min(cap, held[i] + 2) - (min(cap, held[i] + 1) if held[i] else 0)
+            held[i] += 1
+            theta = tau / self.cost.seconds(R, k, ctx, drafting, drafted / drafting)
             if theta > best:
                 best, best_k = theta, k
         share = [0] * R

@@ -1,10 +1,14 @@
 """The engine's cost table: seconds per full engine step (drafting + one verification forward)
 as a function of the number of requests and of the tokens each verifies, at a few context
-lengths, measured on this machine for one (target, drafter, dtype, device).
+lengths, measured on this machine for one (target, drafter, dtype, device); and, of each step,
+the seconds of the drafter's call.
 
 ``dspark profile`` (evaluation/profile.py) measures and writes it; schedulers read
 ``step_seconds(requests, verified_tokens, context)`` (steps per second = 1 / that) to weigh a
-longer verification against its cost.
+longer verification against its cost. A step in which only some requests draft is priced as the
+target's part of a step (``target_seconds``) plus the drafter's call for those requests
+(``drafter_seconds``): a drafter call costs much the same for one token as for several, which an
+interpolation of whole steps would price at a fraction.
 """
 
 from __future__ import annotations
@@ -46,24 +50,44 @@ class CostTable:
     contexts: list[int]          # context lengths
     seconds: list                # [context][R][verified] median seconds per engine step
     machine: str = ""
+    draft: list | None = None    # [context][R][verified] median seconds of the drafter's call in
+                                 # those steps (None: not measured, counted as the target's)
 
     def __post_init__(self):
         self._memo: dict = {}    # schedulers ask for the same few points every step
+        step = np.asarray(self.seconds, dtype=float)
+        draft = np.zeros_like(step) if self.draft is None else np.asarray(self.draft, dtype=float)
+        self._grids = {"step": step, "draft": draft, "target": step - draft}
 
-    def step_seconds(self, requests: int, verified: float, context: int) -> float:
-        """Interpolated (linearly, clamped) seconds of one engine step at the nearest measured context."""
+    def _interp(self, grid: str, requests: float, verified: float, context: int) -> float:
+        """Interpolated (linearly, clamped) value of a grid at the nearest measured context."""
         c = min(range(len(self.contexts)), key=lambda i: abs(self.contexts[i] - context))
-        key = (requests, verified, c)
+        key = (grid, requests, verified, c)
         out = self._memo.get(key)
         if out is None:
             v_axis = np.asarray(self.verified, dtype=float)
-            by_r = [np.interp(verified, v_axis, row) for row in np.asarray(self.seconds[c], dtype=float)]
+            by_r = [np.interp(verified, v_axis, row) for row in self._grids[grid][c]]
             out = self._memo[key] = float(np.interp(requests, np.asarray(self.requests, dtype=float), by_r))
         return out
 
+    def step_seconds(self, requests: int, verified: float, context: int) -> float:
+        """Seconds of one engine step in which every request drafts and verifies ``verified`` tokens."""
+        return self._interp("step", requests, verified, context)
+
+    def drafter_seconds(self, requests: int, drafted: float, context: int) -> float:
+        """Seconds of one drafter call over ``requests`` requests drafting ``drafted`` tokens each."""
+        if self.draft is None or requests <= 0 or drafted <= 0:
+            return 0.0
+        return self._interp("draft", requests, max(drafted, min((v for v in self.verified if v > 0), default=1)), context)
+
+    def target_seconds(self, requests: int, verified: float, context: int) -> float:
+        """The rest of such a step: the target's forward over R anchors + R * verified drafted
+        tokens, verification and the engine's own work."""
+        return self._interp("target", requests, verified, context)
+
     def to_json(self) -> dict:
         return {"key": self.key, "requests": self.requests, "verified": self.verified,
-                "contexts": self.contexts, "seconds": self.seconds, "machine": self.machine}
+                "contexts": self.contexts, "seconds": self.seconds, "draft": self.draft, "machine": self.machine}
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path) if path else table_path(self.key)
@@ -77,10 +101,15 @@ class CostTable:
     def load(cls, path: Path) -> "CostTable":
         try:
             d = json.loads(Path(path).read_text())
-            t = cls(d["key"], d["requests"], d["verified"], d["contexts"], d["seconds"], d.get("machine", ""))
+            t = cls(d["key"], d["requests"], d["verified"], d["contexts"], d["seconds"], d.get("machine", ""),
+                    d.get("draft"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DsparkError(f"cannot read cost table {str(path)!r}: {e}; run `dspark profile` again") from None
-        if np.asarray(t.seconds).shape != (len(t.contexts), len(t.requests), len(t.verified)):
+        if t.draft is None:
+            raise DsparkError(f"cost table {str(path)!r} was made by an older dspark (no drafter timings); "
+                              "run `dspark profile` again")
+        shape = (len(t.contexts), len(t.requests), len(t.verified))
+        if np.asarray(t.seconds).shape != shape or np.asarray(t.draft).shape != shape:
             raise DsparkError(f"cost table {str(path)!r} is malformed; run `dspark profile` again")
         return t
 
