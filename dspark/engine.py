@@ -134,10 +134,14 @@ class Engine:
     def step(self) -> list[Request]:
         """Advance every running request by one target forward; returns requests that ended."""
         t0 = time.perf_counter()
+        self._decode_only = False
         try:
             return self._step()
         finally:
-            self.step_seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.step_seconds += dt
+            if self._decode_only:
+                self.policy.observe_step(dt)
 
     @torch.inference_mode()
     def _step(self) -> list[Request]:
@@ -180,6 +184,7 @@ class Engine:
             if r.prefilled == len(r.prompt_ids):
                 rows.append(len(ids) - 1)
                 completing.append(r)
+        self._decode_only = bool(decode) and not chunks
         wanted = self.drafter.feature_layers
         out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache, feature_layers=wanted,
                           logits_rows=torch.tensor(rows, dtype=torch.long) if rows else None)

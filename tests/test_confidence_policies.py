@@ -234,3 +234,43 @@ def test_async_prices_the_fixed_cost_of_a_drafter_call():
     table.draft = None
     table.__post_init__()
     assert capacity([0.9, 0.09, 0.01]) > 0         # what the interpolated price would have done
+
+
+def test_cost_model_learns_what_steps_really_cost():
+    """The table says drafting one token per request adds 0.2 s to a 1.4 s step; the engine reports
+    that it adds three times that. The prefix policy drafts at first (1.3 tokens for 1.6 s beats
+    1 for 1.4 s), learns the real price from the steps it ran and falls back to plain decoding
+    with a probe now and then (1.3 tokens for 2.0 s do not pay). Plain steps correct the plain
+    price alike."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import PrefixPolicy, _CostModel
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
+    pol = PrefixPolicy(table, block=3)
+    pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    wants = []
+    for _ in range(80):
+        want = pol.draft_lengths(reqs, 3)
+        props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.3] * w)) if w else Proposal.empty()
+                 for w in want]
+        lengths = pol.verify_lengths(reqs, props)
+        n = sum(1 for w in want if w)
+        extra = (table.target_seconds(8, sum(lengths) / 8, 8) - 1.4
+                 + table.drafter_seconds(n, sum(want) / max(1, n), 8))
+        pol.observe_step(1.4 + 3 * extra)
+        wants.append(sum(want))
+    assert wants[0] >= 8                                 # drafted on the table's word
+    assert all(w <= 1 for w in wants[-16:])              # then only the one-token probes
+    assert pol.cost.extra_scale > 2        # learning goes on with the probes
+    cm = _CostModel(table)
+    for _ in range(100):
+        cm.expect(8, 0, 8, 0, 0)
+        cm.observe(2.8)
+    assert abs(cm.base_scale - 2.0) < 0.05 and cm.seconds(8, 0, 8, 0) == pytest.approx(2.8, rel=0.03)
+    for _ in range(100):
+        cm.expect(8, 8, 8, 8, 1)           # every request drafts and verifies one token: 0.2 s more
+        cm.observe(2.8 + 3 * 0.2)
+    assert cm.seconds(8, 8, 8, 8, 1) == pytest.approx(3.4, rel=0.03)

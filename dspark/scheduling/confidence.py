@@ -129,10 +129,27 @@ class EMAPolicy(Policy):
 
 
 class _CostModel:
-    """Seconds of an engine step, from the cost table."""
+    """Seconds of an engine step, from the cost table, corrected online by the steps the engine
+    reports. The table is measured once, on uniform steps, on the machine's state of that day;
+    a serving step differs (ragged blocks, other contexts, a busier or quieter machine). Two
+    factors, each an exponential average of measured / predicted: one for a plain step at the
+    step's size, one for what drafting and verifying drafts add to it."""
 
-    def __init__(self, cost_table):
+    def __init__(self, cost_table, beta: float = 0.05):
         self.table = cost_table
+        self.beta = beta
+        self.base_scale = 1.0     # measured / table, plain steps
+        self.extra_scale = 1.0    # measured / table, the part drafting adds
+        self._pending = None      # (plain part, drafting part) predicted for the step being run
+        self._measured = [0.0, 0.0, 0.0, 0.0]   # averages: plain measured, predicted; extra measured, predicted
+
+    def _parts(self, requests, extra, context, drafting, depth) -> tuple[float, float]:
+        t = self.table
+        per = max(0.0, extra / max(1, requests))
+        base = t.target_seconds(requests, 0, context)
+        if drafting is None:
+            return base, t.step_seconds(requests, per, context) - base
+        return base, t.target_seconds(requests, per, context) - base + t.drafter_seconds(drafting, depth, context)
 
     def seconds(self, requests: int, extra: float, context: int, drafting: int | None = None,
                 depth: float = 0.0) -> float:
@@ -140,13 +157,34 @@ class _CostModel:
         ``drafting``: how many requests drafted, ``depth`` tokens each on average; None = all R,
         ``extra / R`` each (the table's own rows). Without a table every token is free (the
         fixed policy's view): 1 s a step whatever it verifies."""
-        t = self.table
-        if t is None:
+        if self.table is None:
             return 1.0
-        per = max(0.0, extra / max(1, requests))
-        if drafting is None:
-            return t.step_seconds(requests, per, context)
-        return t.target_seconds(requests, per, context) + t.drafter_seconds(drafting, depth, context)
+        base, more = self._parts(requests, extra, context, drafting, depth)
+        return base * self.base_scale + more * self.extra_scale
+
+    def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float) -> None:
+        """The step about to run (what the policy chose), to compare with what it will cost."""
+        if self.table is not None and requests:
+            self._pending = self._parts(requests, extra, context, drafting, depth)
+
+    def observe(self, seconds: float) -> None:
+        """Ratio estimators (exponential averages of measured and of predicted seconds), so that a
+        probe step whose drafting part is small next to the timing noise weighs little."""
+        if self._pending is None:
+            return
+        base, more = self._pending
+        self._pending = None
+        b = self.beta
+        m = self._measured
+        i = 0 if more <= 0 else 2
+        if not m[i + 1]:     # start from the table's own figure (ratio 1), as one earlier step
+            m[i], m[i + 1] = (base, base) if more <= 0 else (more * self.extra_scale, more)
+        if more <= 0:
+            m[0], m[1] = (1 - b) * m[0] + b * seconds, (1 - b) * m[1] + b * base
+            self.base_scale = min(4.0, max(0.25, m[0] / m[1]))
+        else:
+            m[2], m[3] = (1 - b) * m[2] + b * (seconds - base * self.base_scale), (1 - b) * m[3] + b * more
+            self.extra_scale = min(4.0, max(0.25, m[2] / m[3]))
 
 
 def _context(requests) -> int:
@@ -231,6 +269,14 @@ class _ProfiledPolicy(Policy):
             out.append(min(a, out[-1]) if out else a)
         return out
 
+    def observe_step(self, seconds: float) -> None:
+        self.cost.observe(seconds)
+
+    def _expect(self, requests, proposals, lengths) -> None:
+        drafted = [len(p) for p in proposals if len(p)]
+        self.cost.expect(len(requests), sum(lengths), _context(requests), len(drafted),
+                         sum(drafted) / max(1, len(drafted)))
+
     def _probe(self, requests) -> list[int]:
         """No drafting pays: every ``probe_every`` steps one request, in turn, drafts one token."""
         self._idle += 1
@@ -298,6 +344,7 @@ class PrefixPolicy(_ProfiledPolicy):
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 r.ctx.state["_last_verified"] = n
         _record(requests, lengths)
+        self._expect(requests, proposals, lengths)
         return lengths
 
 
@@ -368,4 +415,5 @@ class AsyncPolicy(_ProfiledPolicy):
             for a, j, i in _sorted_candidates(surv)[:self.capacity]:
                 lengths[i] = max(lengths[i], j + 1)
         _record(requests, lengths)
+        self._expect(requests, proposals, lengths)
         return lengths

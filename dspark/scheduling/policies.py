@@ -21,6 +21,10 @@ class Policy:
     def verify_lengths(self, requests, proposals) -> list[int]:
         return [len(p) for p in proposals]
 
+    def observe_step(self, seconds: float) -> None:
+        """The wall time of the decoding step just decided (steps that also prefilled are not
+        reported): policies that weigh cost correct their cost table with it."""
+
 
 class PlainPolicy(Policy):
     """No speculation: draft nothing, verify nothing, one token per request per step."""
