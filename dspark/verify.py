@@ -10,6 +10,12 @@ l + 1 positions (the anchor's row predicts x_1, ..., row l predicts the bonus to
 The emitted tokens are then distributed exactly as the target's own samples. ``q`` must be the
 distribution the drafts were really drawn from (after the drafter's own temperature / top-k /
 top-p); ``None`` means each draft was a deterministic choice (n-gram lookup), i.e. a point mass.
+
+Point masses are verified by drawing the target's own token at each position, exactly as plain
+decoding draws it, and accepting the draft while they agree: the same law (x_k survives with
+probability p_k(x_k), a mismatch is a draw from p_k without x_k), and one draw per emitted token,
+so a seeded request emits the very tokens of plain decoding with that seed, whatever was drafted
+(the n-gram drafter's proposals depend on the requests it served before).
 """
 
 from __future__ import annotations
@@ -52,13 +58,18 @@ def verify_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, p
     """``verify`` on target probabilities already processed by the sampling settings."""
     l = draft_tokens.shape[0]
     dev = p.device
+    if draft_probs is None:     # point masses: draw the target's token, accept while they agree
+        for k, x in enumerate(draft_tokens.tolist()):
+            y = int(sample(p[k], generator))
+            if y != x:
+                return k, y
+        return l, int(sample(p[l], generator))
     draft_tokens = draft_tokens.to(dev)
-    if draft_probs is not None:
-        draft_probs = draft_probs.to(dev)
+    draft_probs = draft_probs.to(dev)
     if l:
         rows = torch.arange(l, device=dev)
         p_x = p[rows, draft_tokens]
-        q_x = draft_probs.float()[rows, draft_tokens] if draft_probs is not None else torch.ones(l, device=dev)
+        q_x = draft_probs.float()[rows, draft_tokens]
         u = torch.rand(l, generator=generator, device=dev)
         rejected = (u * q_x >= p_x).nonzero()
         n = int(rejected[0, 0]) if rejected.numel() else l
@@ -66,11 +77,7 @@ def verify_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, p
         n = 0
     if n == l:  # every draft accepted: bonus token from the target
         return n, int(sample(p[l], generator))
-    if draft_probs is not None:
-        residual = (p[n] - draft_probs[n].float()).clamp_min_(0.0)
-    else:
-        residual = p[n].clone()
-        residual[draft_tokens[n]] = 0.0
+    residual = (p[n] - draft_probs[n].float()).clamp_min_(0.0)
     mass = float(residual.sum())
     if mass <= 1e-12:  # p == q there: resample from the target
         residual = p[n]

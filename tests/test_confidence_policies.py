@@ -74,6 +74,9 @@ class _Spy:
         self.lengths.update(out)
         return out
 
+    def observe_step(self, seconds):
+        self.policy.observe_step(seconds)
+
 
 def _cost_table():
     # steps get dearer with more verified tokens, so prefix / async verify some tokens, not all

@@ -27,6 +27,10 @@ from ..runtime.loading import cache_dir
 log = logging.getLogger("dspark")
 
 
+class StaleCostTable(DsparkError):
+    """A table written by an older dspark, without the drafter's timings."""
+
+
 def table_key(target_name: str, drafter_name: str, dtype: str, device: str) -> str:
     return f"{target_name}|{drafter_name}|{dtype}|{device}"
 
@@ -106,7 +110,7 @@ class CostTable:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DsparkError(f"cannot read cost table {str(path)!r}: {e}; run `dspark profile` again") from None
         if t.draft is None:
-            raise DsparkError(f"cost table {str(path)!r} was made by an older dspark (no drafter timings); "
+            raise StaleCostTable(f"cost table {str(path)!r} was made by an older dspark (no drafter timings); "
                               "run `dspark profile` again")
         shape = (len(t.contexts), len(t.requests), len(t.verified))
         if np.asarray(t.seconds).shape != shape or np.asarray(t.draft).shape != shape:
@@ -120,4 +124,8 @@ class CostTable:
             log.warning("no cost table for %s: run `dspark profile` (policies that weigh cost fall "
                         "back to fixed blocks)", key)
             return None
-        return cls.load(path)
+        try:
+            return cls.load(path)
+        except StaleCostTable as e:     # as if there were none: the policies that need one say so
+            log.warning("%s", e)
+            return None
