@@ -277,3 +277,23 @@ def test_cost_model_learns_what_steps_really_cost():
         cm.expect(8, 8, 8, 8, 1)           # every request drafts and verifies one token: 0.2 s more
         cm.observe(2.8 + 3 * 0.2)
     assert cm.seconds(8, 8, 8, 8, 1) == pytest.approx(3.4, rel=0.03)
+
+
+def test_async_verifies_no_token_whose_survival_does_not_pay_for_its_verification():
+    """Verifying one more token adds 0.025 s to a 2.0 s step of 8 requests (0.25 s a token): of
+    the top K, a token that survives less than 10 % of the time is not worth verifying."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import AsyncPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
+    pol = AsyncPolicy(table, block=3)
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    props = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.5] * 3 if i == 0 else [0.05] * 3))
+             for i in range(8)]
+    pol.capacity = 5                     # survivals 0.5, 0.25, 0.125 (request 0), then 0.05 (each other)
+    assert pol.verify_lengths(reqs, props) == [3] + [0] * 7
+    pol.cost.table = None                # every token free: the plain top K
+    pol.capacity = 5
+    assert sorted(pol.verify_lengths(reqs, props), reverse=True)[:3] == [3, 1, 1]

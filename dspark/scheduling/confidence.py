@@ -351,8 +351,9 @@ class PrefixPolicy(_ProfiledPolicy):
 class AsyncPolicy(_ProfiledPolicy):
     """Asynchronous scheduling (paper section 5.2): the capacity K (draft tokens verified this step
     beyond the anchors) comes from the survivals of two steps earlier by a full search over the
-    cost table; this step verifies the top-K candidates by up-to-date survival, ties by position.
-    K depends only on stale information, so the full search stays lossless."""
+    cost table; this step verifies the top-K candidates by up-to-date survival, ties by position,
+    down to the survival below which verifying a token costs more than it returns. K depends only
+    on stale information, so the full search stays lossless."""
 
     name = "async"
 
@@ -411,8 +412,16 @@ class AsyncPolicy(_ProfiledPolicy):
         if self._probed is not None:
             lengths = self._probe_lengths(proposals)
         else:
+            # of the top K, only candidates whose survival pays for the target's part of verifying
+            # them (a drafted token already cost its drafting): a cut by a's value that depends on
+            # the load, not on the tokens, so like a threshold it keeps the output lossless
+            R, ctx = len(requests), _context(requests)
+            plain = self.cost.seconds(R, 0, ctx, 0)
+            floor = (self.cost.seconds(R, 1, ctx, 0) - plain) / (plain / R)
             lengths = [0] * len(requests)
             for a, j, i in _sorted_candidates(surv)[:self.capacity]:
+                if a < floor:
+                    break
                 lengths[i] = max(lengths[i], j + 1)
         _record(requests, lengths)
         self._expect(requests, proposals, lengths)
