@@ -83,6 +83,7 @@ class Engine:
         self.num_steps = 0
         self.step_seconds = 0.0     # wall time inside step()
         self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
+        self._decode_only = False   # the step running decodes without prefilling (its time goes to the policy)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,

@@ -78,6 +78,13 @@ class _Spy:
         self.policy.observe_step(seconds)
 
 
+def _requests(n: int):
+    """Stand-ins for n decoding requests with nothing drafted yet (what the policies read of them)."""
+    from types import SimpleNamespace
+    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(n)]
+
+
 def _cost_table():
     # steps get dearer with more verified tokens, so prefix / async verify some tokens, not all
     return CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
@@ -104,14 +111,12 @@ def test_every_policy_keeps_the_target_distribution(policy):
 
 
 def test_async_capacity_recovers_after_a_step_that_drafted_nothing():
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.confidence import AsyncPolicy
     cheap = CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.01, 1.03], [1.4, 1.42, 1.45], [2.5, 2.52, 2.6]]])
     pol = AsyncPolicy(cheap, block=3)
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0)) for i in range(2)]
+    reqs = _requests(2)
     empty = [Proposal.empty(), Proposal.empty()]
     pol.capacity = 0
     pol.verify_lengths(reqs, empty)              # two steps in which nothing was drafted ...
@@ -125,14 +130,12 @@ def test_no_drafting_when_it_does_not_pay_but_a_one_token_probe_in_turn(name):
     # drafting + verifying one token costs 1.5x a step and the observed first-token acceptance is
     # 10 %: neither policy drafts, except one token of one request (in turn) every 8 steps, and that
     # probe is verified whatever its confidence so that the profile keeps learning
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     dear = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                      seconds=[[[1.0, 1.5, 1.8], [1.4, 2.1, 2.5]]])
     pol = make_policy(name, 3, cost_table=dear)
     pol.profile.hits, pol.profile.tries = [0.1, 0.05, 0.05], [1.0] * 3
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(2)]
+    reqs = _requests(2)
     plans = []
     for _ in range(16):
         want = pol.draft_lengths(reqs, 3)
@@ -149,12 +152,10 @@ def test_prefix_drafts_only_as_deep_as_the_profile_pays():
     """Drafting costs before any confidence exists: the prefix policy drafts to the depth that
     maximises expected tokens per second on the observed acceptance profile (past steps only), and
     probes one token now and then when no depth pays."""
-    from types import SimpleNamespace
     from dspark.scheduling.confidence import PrefixPolicy
 
     def reqs():
-        return [SimpleNamespace(id=0, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-            accepted_per_position=[], num_drafts=0, num_accepted_tokens=0))]
+        return _requests(1)
 
     def policy(seconds, conditional):
         pol = PrefixPolicy(CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
@@ -174,15 +175,13 @@ def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
     """The acceptance of verified tokens overstates what a fresh draft returns when only confident
     tokens get verified: the prefix policy weighs drafting by the calibrated survivals of all
     proposals (tracked over steps), so confident-looking history does not keep it drafting."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.confidence import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [1.4, 1.9, 2.4]]])
     pol = PrefixPolicy(table, block=3)
     pol.profile.hits, pol.profile.tries = [0.9, 0.8, 0.7], [1.0] * 3    # what verified tokens showed
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    reqs = _requests(8)
     assert max(pol.draft_lengths(reqs, 3)) > 0
     mostly_hopeless = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([c, 0.5, 0.5]))
                        for c in [0.9] + [0.05] * 7]                        # mean a_1 = 0.16
@@ -194,14 +193,12 @@ def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
 def test_async_drafts_only_for_requests_that_held_part_of_the_capacity():
     """K is priced as K verified tokens; a drafter forward over every request would cost more than
     that. Requests whose survivals two steps ago held none of the top K draft nothing."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.confidence import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.05, 1.2], [1.4, 1.9, 2.4]]])
     pol = AsyncPolicy(table, block=3)
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    reqs = _requests(8)
     confident = [0.95] * 3
     props = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor(confident if i == 0 else [0.02] * 3))
              for i in range(8)]
@@ -218,12 +215,10 @@ def test_async_prices_the_fixed_cost_of_a_drafter_call():
     all-drafting step's extra (0.125 s), but a drafter call for one request costs what the table
     measured for it (0.3 - 0.35 s) on top of the target's part (0.025 s): one request's candidate
     that survives 90 % of the time pays under the first price, not the second."""
-    from types import SimpleNamespace
     from dspark.scheduling.confidence import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    reqs = _requests(8)
 
     def capacity(row0):
         pol = AsyncPolicy(table, block=3)
@@ -245,15 +240,13 @@ def test_cost_model_learns_what_steps_really_cost():
     1 for 1.4 s), learns the real price from the steps it ran and falls back to plain decoding
     with a probe now and then (1.3 tokens for 2.0 s do not pay). Plain steps correct the plain
     price alike."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.confidence import PrefixPolicy, _CostModel
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
     pol = PrefixPolicy(table, block=3)
     pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    reqs = _requests(8)
     wants = []
     for _ in range(80):
         want = pol.draft_lengths(reqs, 3)
@@ -282,14 +275,12 @@ def test_cost_model_learns_what_steps_really_cost():
 def test_async_verifies_no_token_whose_survival_does_not_pay_for_its_verification():
     """Verifying one more token adds 0.025 s to a 2.0 s step of 8 requests (0.25 s a token): of
     the top K, a token that survives less than 10 % of the time is not worth verifying."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.confidence import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
     pol = AsyncPolicy(table, block=3)
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(8)]
+    reqs = _requests(8)
     props = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.5] * 3 if i == 0 else [0.05] * 3))
              for i in range(8)]
     pol.capacity = 5                     # survivals 0.5, 0.25, 0.125 (request 0), then 0.05 (each other)

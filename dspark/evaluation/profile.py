@@ -52,9 +52,10 @@ class _ExactLength(Drafter):
 def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 4, 8, 16, 32),
             verified=(0, 1, 2, 3, 5, 7), contexts=(128, 512), repeats: int = 5, progress=None,
             temperature: float = 1.0) -> CostTable:
-    """Median seconds of full engine steps and of the drafter's call in them, sampling at ``temperature`` (1 by default: drafting
-    and rejection sampling over the whole vocabulary cost more than the greedy path, and a table
-    measured greedy made drafting look cheaper than it is when serving sampled requests)."""
+    """Median seconds of full engine steps and of the drafter's call in them, sampling at
+    ``temperature`` (1 by default: drafting and rejection sampling over the whole vocabulary cost
+    more than the greedy path, and a table measured greedy made drafting look cheaper than it is
+    when serving sampled requests)."""
     params = SamplingParams(temperature=temperature, seed=0)
     vocab = target.model.config.vocab_size
     grid, draft_grid = [], []

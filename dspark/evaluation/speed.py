@@ -37,8 +37,9 @@ POLICY_SYSTEMS = ("ngram",) + TRAINED_SYSTEMS
 # ngram-hf-rule: our engine with HF's lookup rule (earliest match of a 2-gram, else 1-gram, 10
 # tokens), to compare lookup rules on the same text; ngram-no-history: our rule on the request's own
 # text only (as HF's), without the history of the prompts served before it
+# trained drafters (with any @policy) compare with plain
 BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule": "plain",
-               "ngram-no-history": "plain", "llama.cpp-prompt-lookup": "llama.cpp-plain"}   # trained drafters (with any @policy): plain
+               "ngram-no-history": "plain", "llama.cpp-prompt-lookup": "llama.cpp-plain"}
 
 
 @dataclass

@@ -141,7 +141,7 @@ class _CostModel:
         self.base_scale = 1.0     # measured / table, plain steps
         self.extra_scale = 1.0    # measured / table, the part drafting adds
         self._pending = None      # (plain part, drafting part) predicted for the step being run
-        self._measured = [0.0, 0.0, 0.0, 0.0]   # averages: plain measured, predicted; extra measured, predicted
+        self._measured = [[0.0, 0.0], [0.0, 0.0]]   # averages (measured, predicted): plain part, extra part
 
     def _parts(self, requests, extra, context, drafting, depth) -> tuple[float, float]:
         t = self.table
@@ -174,17 +174,24 @@ class _CostModel:
             return
         base, more = self._pending
         self._pending = None
+        plain = more <= 0
+        measured, predicted = (seconds, base) if plain else (seconds - base * self.base_scale, more)
+        m = self._measured[0 if plain else 1]
+        if not m[1]:         # start from the table's own figure (ratio 1), as one earlier step
+            m[0] = m[1] = predicted
         b = self.beta
-        m = self._measured
-        i = 0 if more <= 0 else 2
-        if not m[i + 1]:     # start from the table's own figure (ratio 1), as one earlier step
-            m[i], m[i + 1] = (base, base) if more <= 0 else (more * self.extra_scale, more)
-        if more <= 0:
-            m[0], m[1] = (1 - b) * m[0] + b * seconds, (1 - b) * m[1] + b * base
-            self.base_scale = min(4.0, max(0.25, m[0] / m[1]))
+        m[0], m[1] = (1 - b) * m[0] + b * measured, (1 - b) * m[1] + b * predicted
+        scale = min(4.0, max(0.25, m[0] / m[1]))
+        if plain:
+            self.base_scale = scale
         else:
-            m[2], m[3] = (1 - b) * m[2] + b * (seconds - base * self.base_scale), (1 - b) * m[3] + b * more
-            self.extra_scale = min(4.0, max(0.25, m[2] / m[3]))
+            self.extra_scale = scale
+
+
+def _drafted(proposals) -> tuple[int, float]:
+    """(how many requests drafted, their mean draft length)."""
+    lengths = [len(p) for p in proposals if len(p)]
+    return len(lengths), sum(lengths) / max(1, len(lengths))
 
 
 def _context(requests) -> int:
@@ -272,10 +279,8 @@ class _ProfiledPolicy(Policy):
     def observe_step(self, seconds: float) -> None:
         self.cost.observe(seconds)
 
-    def _expect(self, requests, proposals, lengths) -> None:
-        drafted = [len(p) for p in proposals if len(p)]
-        self.cost.expect(len(requests), sum(lengths), _context(requests), len(drafted),
-                         sum(drafted) / max(1, len(drafted)))
+    def _expect(self, requests, lengths, drafting: int, depth: float) -> None:
+        self.cost.expect(len(requests), sum(lengths), _context(requests), drafting, depth)
 
     def _probe(self, requests) -> list[int]:
         """No drafting pays: every ``probe_every`` steps one request, in turn, drafts one token."""
@@ -330,21 +335,19 @@ class PrefixPolicy(_ProfiledPolicy):
         prof = self.profile.conditional()
         surv = [_survivals(p, prof) for p in proposals]
         self._note_proposals(proposals, surv)
+        drafting, depth = _drafted(proposals)
         if self._probed is not None:
             lengths = self._probe_lengths(proposals)
         else:
             # the drafter's call is paid already: a longer verification costs only the target's part
             ctx = _context(requests)
             R = len(requests)
-            drafted = [len(p) for p in proposals if len(p)]
-            depth = sum(drafted) / max(1, len(drafted))
-            lengths = prefix_schedule(
-                surv, lambda B: 1.0 / self.cost.seconds(R, B - R, ctx, len(drafted), depth))
+            lengths = prefix_schedule(surv, lambda B: 1.0 / self.cost.seconds(R, B - R, ctx, drafting, depth))
         for r, p, n in zip(requests, proposals, lengths):
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 r.ctx.state["_last_verified"] = n
         _record(requests, lengths)
-        self._expect(requests, proposals, lengths)
+        self._expect(requests, lengths, drafting, depth)
         return lengths
 
 
@@ -424,5 +427,5 @@ class AsyncPolicy(_ProfiledPolicy):
                     break
                 lengths[i] = max(lengths[i], j + 1)
         _record(requests, lengths)
-        self._expect(requests, proposals, lengths)
+        self._expect(requests, lengths, *_drafted(proposals))
         return lengths

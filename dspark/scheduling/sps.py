@@ -62,6 +62,7 @@ class CostTable:
         step = np.asarray(self.seconds, dtype=float)
         draft = np.zeros_like(step) if self.draft is None else np.asarray(self.draft, dtype=float)
         self._grids = {"step": step, "draft": draft, "target": step - draft}
+        self._least_drafted = min((v for v in self.verified if v > 0), default=1)   # a call's smallest measure
 
     def _interp(self, grid: str, requests: float, verified: float, context: int) -> float:
         """Interpolated (linearly, clamped) value of a grid at the nearest measured context."""
@@ -82,7 +83,7 @@ class CostTable:
         """Seconds of one drafter call over ``requests`` requests drafting ``drafted`` tokens each."""
         if self.draft is None or requests <= 0 or drafted <= 0:
             return 0.0
-        return self._interp("draft", requests, max(drafted, min((v for v in self.verified if v > 0), default=1)), context)
+        return self._interp("draft", requests, max(drafted, self._least_drafted), context)
 
     def target_seconds(self, requests: int, verified: float, context: int) -> float:
         """The rest of such a step: the target's forward over R anchors + R * verified drafted

@@ -1,0 +1,120 @@
+"""Where an engine step's time goes, per policy, at one concurrency: plain steps against steps in
+which the policy drafted (the drafter's call, the target's forward, tokens verified and emitted,
+and the survivals the policy expected to be accepted), beside the cost table's price of each step.
+
+Closed-loop clients as in `dspark bench concurrency` (temperature 1, 64 new tokens each); only
+steady steps count (every slot decoding, nobody prefilling). Timings come from wrapping the
+drafter's `propose` and the target's forward of the one engine the policy runs on.
+
+    .venv/bin/python scripts/step_breakdown.py --drafter dspark --concurrency 16 --policies plain,prefix,async
+"""
+
+import argparse
+import time
+
+import torch
+
+from dspark.api import encode_prompt
+from dspark.data import load_prompts
+from dspark.drafters import load_drafter
+from dspark.engine import Engine
+from dspark.runtime.loading import load_target
+from dspark.sampling import SamplingParams
+from dspark.scheduling.confidence import _survivals
+from dspark.scheduling.policies import make_policy
+from dspark.scheduling.sps import CostTable, table_key_for
+
+
+def run(target, drafter, table, policy_name, prompts, C, new_tokens):
+    policy = make_policy(policy_name, drafter.block_size, cost_table=table)
+    engine = Engine(target.model, drafter, policy, max_requests=C,
+                    max_len=max(map(len, prompts)) + new_tokens + drafter.block_size + 2,
+                    eos_ids=target.eos_token_ids, cost_table=table)
+    cur = {}
+    decoder_cls = type(target.model)
+    inner_propose, inner_forward, inner_verify = drafter.propose, decoder_cls.__call__, policy.verify_lengths
+
+    def propose(contexts):
+        t = time.perf_counter()
+        out = inner_propose(contexts)
+        cur["draft"] += time.perf_counter() - t
+        cur["drafting"] += sum(1 for p in out if len(p))
+        return out
+
+    def forward(self, ids, *args, **kwargs):
+        t = time.perf_counter()
+        out = inner_forward(self, ids, *args, **kwargs)
+        cur["forward"] += time.perf_counter() - t
+        return out
+
+    def verify_lengths(requests, proposals):
+        out = inner_verify(requests, proposals)
+        if hasattr(policy, "profile"):
+            prof = policy.profile.conditional()
+            cur["expected"] += sum(sum(_survivals(p, prof)[:n]) for p, n in zip(proposals, out))
+        cur["verified"] += sum(out)
+        return out
+
+    drafter.propose, decoder_cls.__call__, policy.verify_lengths = propose, forward, verify_lengths
+    steps, queue, live = [], list(prompts), []
+    params = SamplingParams(temperature=1.0, seed=0)
+    try:
+        while queue or live:
+            while queue and len(live) < C:
+                live.append(engine.add_request(queue.pop(0), params, new_tokens))
+            steady = len(engine.running) == C and not engine.waiting and all(r.ctx for r in engine.running)
+            ctx = sum(len(r.ctx.tokens) for r in engine.running if r.ctx) // max(1, len(engine.running))
+            before = sum(len(r.output_ids) for r in live)
+            cur.update(draft=0.0, forward=0.0, drafting=0, expected=0.0, verified=0)
+            t = time.perf_counter()
+            engine.step()
+            cur["seconds"] = time.perf_counter() - t
+            cur["emitted"] = sum(len(r.output_ids) for r in live) - before
+            if steady:
+                steps.append(dict(cur, context=ctx))
+            live = [r for r in live if not r.done]
+    finally:
+        del drafter.propose
+        decoder_cls.__call__ = inner_forward
+    return steps
+
+
+def report(name, steps, table, C):
+    for label, rows in (("plain steps", [s for s in steps if not s["drafting"]]),
+                        ("drafting steps", [s for s in steps if s["drafting"]])):
+        if not rows:
+            continue
+        n = len(rows)
+        mean = {k: sum(s[k] for s in rows) / n for k in rows[0]}
+        price = sum(table.target_seconds(C, s["verified"] / C, s["context"])
+                    + table.drafter_seconds(s["drafting"], max(1.0, s["verified"] / max(1, s["drafting"])),
+                                            s["context"]) for s in rows) / n
+        print(f"{name:7s} {label:15s} {n:4d}: {1e3 * mean['seconds']:6.1f} ms (forward {1e3 * mean['forward']:.1f}, "
+              f"drafter {1e3 * mean['draft']:.1f}; table {1e3 * price:.1f}), requests drafting {mean['drafting']:.1f}, "
+              f"verified {mean['verified']:.1f}, emitted {mean['emitted']:.2f}, expected accepted {mean['expected']:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--policies", default="plain,prefix,async")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target(None, dtype="bf16")
+    drafter = load_drafter(args.drafter, target)
+    table = CostTable.find(table_key_for(target, drafter))
+    if table is None:
+        raise SystemExit(f"no cost table for {args.drafter}: run `dspark profile --drafter {args.drafter}` first")
+    prompts = [encode_prompt(target.tokenizer, p, chat=True)
+               for d in ("humaneval", "gsm8k", "mt-bench", "mbpp") for p in load_prompts(d, args.num_prompts // 4)]
+    for name in args.policies.split(","):
+        report(name, run(target, drafter, table, name, prompts, args.concurrency, args.max_new_tokens),
+               table, args.concurrency)
+
+
+if __name__ == "__main__":
+    main()
