@@ -26,8 +26,9 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     target = _target()
     prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8]]
-    table = prof.profile(target, NgramDrafter(block_size=3), prompts, requests=(1, 3), verified=(0, 2, 3),
-                        contexts=(16, 32), repeats=2)
+    table = prof.profile(target, NgramDrafter(block_size=3), prompts, requests=(3, 1), verified=(3, 0, 2),
+                        contexts=(32, 16), repeats=2)
+    assert (table.requests, table.verified, table.contexts) == ([1, 3], [0, 2, 3], [16, 32])   # axes sorted
     assert len(table.seconds) == 2 and len(table.seconds[0]) == 2 and len(table.seconds[0][0]) == 3
     assert all(s > 0 for c in table.seconds for r in c for s in r)
     path = table.save()
@@ -50,6 +51,11 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     with pytest.raises(DsparkError, match="older dspark"):
         sps.CostTable.load(path)
     assert sps.CostTable.find(table.key) is None      # found, but as good as missing (a warning says why)
+    bad = table.to_json()
+    bad["verified"] = [0, 3, 2]
+    path.write_text(json.dumps(bad))
+    with pytest.raises(DsparkError, match="malformed"):
+        sps.CostTable.load(path)
     path.write_text("{ not json")
     with pytest.raises(DsparkError, match="dspark profile"):
         sps.CostTable.find(table.key)
@@ -82,3 +88,17 @@ def test_a_drafter_call_is_priced_whole():
     assert t.drafter_seconds(1, 0.5, 8) == pytest.approx(0.3)    # half a token still costs a call
     assert t.drafter_seconds(0, 2, 8) == 0 and t.drafter_seconds(3, 0, 8) == 0
     assert t.step_seconds(8, 1, 8) == pytest.approx(t.target_seconds(8, 1, 8) + t.drafter_seconds(8, 1, 8))
+
+
+def test_interpolation_is_bilinear_and_clamped():
+    """Between grid points the table interpolates linearly along each axis (numpy's interp row by
+    row, then across rows, as the reference), and clamps outside the measured range."""
+    np = pytest.importorskip("numpy")
+    grid = [[[1.0, 1.5, 2.5, 4.0], [2.0, 2.2, 3.0, 5.5], [4.0, 5.0, 7.0, 9.0]]]
+    t = sps.CostTable("tiny", requests=[1, 4, 16], verified=[0, 1, 3, 7], contexts=[64], seconds=grid,
+                      draft=[[[0.0] * 4] * 3])
+    rng = np.random.default_rng(0)
+    for R, v in zip(rng.uniform(-2, 20, 300), rng.uniform(-1, 9, 300)):
+        rows = [np.interp(v, t.verified, row) for row in grid[0]]
+        assert t.step_seconds(R, v, 64) == pytest.approx(float(np.interp(R, t.requests, rows)))
+    assert t.step_seconds(4, 3, 10_000) == 3.0 and t.step_seconds(100, 100, 1) == 9.0

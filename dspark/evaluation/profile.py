@@ -57,6 +57,7 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
     more than the greedy path, and a table measured greedy made drafting look cheaper than it is
     when serving sampled requests)."""
     params = SamplingParams(temperature=temperature, seed=0)
+    requests, verified, contexts = (sorted(set(a)) for a in (requests, verified, contexts))   # the table's axes
     vocab = target.model.config.vocab_size
     grid, draft_grid = [], []
     max_v = max(verified)

@@ -13,6 +13,7 @@ interpolation of whole steps would price at a fraction.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -46,6 +47,16 @@ def table_path(key: str) -> Path:
     return cache_dir() / "profiles" / f"{h}.json"
 
 
+def _segment(axis: list, x: float) -> tuple[int, int, float]:
+    """(i, i + 1, fraction) of x between axis[i] and axis[i + 1] (an increasing axis), clamped."""
+    if x <= axis[0]:
+        return 0, 0, 0.0
+    if x >= axis[-1]:
+        return len(axis) - 1, len(axis) - 1, 0.0
+    i = bisect.bisect_right(axis, x) - 1
+    return i, i + 1, (x - axis[i]) / (axis[i + 1] - axis[i])
+
+
 @dataclass
 class CostTable:
     key: str
@@ -61,18 +72,25 @@ class CostTable:
         self._memo: dict = {}    # schedulers ask for the same few points every step
         step = np.asarray(self.seconds, dtype=float)
         draft = np.zeros_like(step) if self.draft is None else np.asarray(self.draft, dtype=float)
-        self._grids = {"step": step, "draft": draft, "target": step - draft}
+        self._rows = {name: a.tolist() for name, a in (("step", step), ("draft", draft), ("target", step - draft))}
         self._least_drafted = min((v for v in self.verified if v > 0), default=1)   # a call's smallest measure
 
     def _interp(self, grid: str, requests: float, verified: float, context: int) -> float:
-        """Interpolated (linearly, clamped) value of a grid at the nearest measured context."""
+        """Bilinear interpolation (clamped at the edges) of a grid at the nearest measured context;
+        plain Python on the few numbers involved: policies ask for hundreds of points a step."""
         c = min(range(len(self.contexts)), key=lambda i: abs(self.contexts[i] - context))
         key = (grid, requests, verified, c)
         out = self._memo.get(key)
         if out is None:
-            v_axis = np.asarray(self.verified, dtype=float)
-            by_r = [np.interp(verified, v_axis, row) for row in self._grids[grid][c]]
-            out = self._memo[key] = float(np.interp(requests, np.asarray(self.requests, dtype=float), by_r))
+            r0, r1, fr = _segment(self.requests, requests)
+            v0, v1, fv = _segment(self.verified, verified)
+            g = self._rows[grid][c]
+            lo = g[r0][v0] + fv * (g[r0][v1] - g[r0][v0])
+            hi = g[r1][v0] + fv * (g[r1][v1] - g[r1][v0])
+            out = lo + fr * (hi - lo)
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            self._memo[key] = out
         return out
 
     def step_seconds(self, requests: int, verified: float, context: int) -> float:
@@ -114,7 +132,8 @@ class CostTable:
             raise StaleCostTable(f"cost table {str(path)!r} was made by an older dspark (no drafter timings); "
                               "run `dspark profile` again")
         shape = (len(t.contexts), len(t.requests), len(t.verified))
-        if np.asarray(t.seconds).shape != shape or np.asarray(t.draft).shape != shape:
+        increasing = all(all(a < b for a, b in zip(ax, ax[1:])) for ax in (t.requests, t.verified, t.contexts))
+        if np.asarray(t.seconds).shape != shape or np.asarray(t.draft).shape != shape or not increasing:
             raise DsparkError(f"cost table {str(path)!r} is malformed; run `dspark profile` again")
         return t
 
