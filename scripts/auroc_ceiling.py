@@ -2,11 +2,18 @@
 
 c_1 is computed before x_1 is sampled, so the best possible score of the event "x_1 is accepted" is
 its probability given everything before x_1: q = 1 - TV(p_d, p_t) of the first block position.
-This script runs the drafter's training forward on the last sequences of a training cache
-(teacher forcing, anchors every 4th supervised position), draws the events from q, and reports
-the AUROC of q itself (the ceiling) and of the head's c_1 on the same draws.
+Two settings:
+
+* ``--cache``: the drafter's training forward on the last sequences of a training cache (teacher
+  forcing, anchors every 4th supervised position); the events are drawn from q;
+* ``--heldout``: what ``dspark calibrate`` scores (its evaluation half of the held-out prompts,
+  temperature-1 rollouts, full blocks, the same seeds); the events are the target's real
+  verdicts on x_1, and q is computed from the very distributions that verification compared.
+
+Either way it reports the AUROC of q itself (the ceiling) and of the head's raw c_1 on the same events.
 
     .venv/bin/python scripts/auroc_ceiling.py --drafter dspark --cache ~/.cache/dspark/work/smollm2-135m-instruct/cache/train
+    .venv/bin/python scripts/auroc_ceiling.py --drafter dspark --heldout ~/.cache/dspark/work/smollm2-135m-instruct/prompts/heldout.jsonl
 """
 
 import argparse
@@ -14,6 +21,7 @@ import argparse
 import numpy as np
 import torch
 
+import dspark.engine
 from dspark.drafters import load_drafter
 from dspark.runtime.loading import load_target
 from dspark.training.cache import CacheReader
@@ -21,17 +29,8 @@ from dspark.training.calibrate import auroc
 from dspark.training.losses import target_probs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--drafter", default="dspark")
-    ap.add_argument("--cache", required=True)
-    ap.add_argument("--sequences", type=int, default=60, help="the last N sequences of the cache")
-    ap.add_argument("--draws", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=None)
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    target = load_target(None, dtype="bf16")
+def teacher_forced(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q, c_1, events drawn from q) on cached training sequences."""
     model = load_drafter(a.drafter, target).model.float().eval()
     if getattr(model, "confidence", None) is None:
         raise SystemExit(f"drafter {a.drafter!r} has no confidence head")
@@ -52,12 +51,52 @@ def main() -> None:
             cs.append(torch.sigmoid(conf[:, 0].float()).numpy())
     q, c = np.concatenate(qs), np.concatenate(cs)
     rng = np.random.default_rng(0)
-    ceiling, head = [], []
-    for _ in range(a.draws):
-        y = (rng.random(q.shape) < q).astype(np.float64)
-        ceiling.append(auroc(q, y))
-        head.append(auroc(c, y))
-    print(f"anchors {len(q)}, mean acceptance {q.mean():.3f} (sd {q.std():.3f}); AUROC at position 1: "
+    return q, c, [(rng.random(q.shape) < q).astype(np.float64) for _ in range(a.draws)]
+
+
+def rollouts(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q, c_1, the target's verdicts on x_1) on calibrate's held-out evaluation rollouts."""
+    from dspark.api import encode_prompt
+    from dspark.training import calibrate as cal
+    from dspark.training.prompts import read_prompts
+    drafter = load_drafter(a.drafter, target)
+    _, rows = cal.split_rows(read_prompts(a.heldout))
+    prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in rows]
+    qs = []
+    plain_verify = dspark.engine.verify
+
+    def verify(tokens, probs, logits, params, generator):   # in the engine's order of requests
+        if len(tokens):
+            pt = torch.softmax(logits[0].float(), -1)
+            qs.append(float(1 - 0.5 * (probs[0].float() - pt).abs().sum()))
+        return plain_verify(tokens, probs, logits, params, generator)
+    dspark.engine.verify = verify
+    try:
+        ro = cal.collect(target, drafter, prompts, [r["domain"] for r in rows], blocks=a.blocks)
+    finally:
+        dspark.engine.verify = plain_verify
+    q = np.array(qs[:len(ro)])
+    return q, 1 / (1 + np.exp(-ro.z[:, 0])), [(ro.accepted > 0).astype(np.float64)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="dspark")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cache", help="a training cache folder (teacher-forced contexts)")
+    where.add_argument("--heldout", help="held-out prompts JSONL (calibrate's temperature-1 rollouts)")
+    ap.add_argument("--blocks", type=int, default=5000, help="--heldout: verified blocks")
+    ap.add_argument("--sequences", type=int, default=60, help="the last N sequences of the cache")
+    ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target = load_target(None, dtype="bf16")
+    q, c, events = teacher_forced(a, target) if a.cache else rollouts(a, target)
+    ceiling = [auroc(q, y) for y in events]
+    head = [auroc(c, y) for y in events]
+    print(f"blocks {len(q)}, mean acceptance {q.mean():.3f} (sd {q.std():.3f}); AUROC at position 1: "
           f"ceiling {np.mean(ceiling):.3f}, head {np.mean(head):.3f}; corr(c_1, q) {np.corrcoef(c, q)[0, 1]:.3f}")
 
 
