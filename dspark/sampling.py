@@ -49,25 +49,46 @@ class SamplingParams:
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> fp32 probabilities after temperature, top-k and top-p."""
+    """[..., V] logits -> fp32 probabilities after temperature, top-k and top-p.
+
+    Top-k keeps every token whose logit reaches the k-th largest (ties included, as transformers'
+    warper does); top-p then keeps the smallest run of the most likely remaining tokens whose mass
+    reaches p (the first one always; among equal logits the lower token id counts as the more
+    likely, so which tied tokens stay never depends on a sort's whims). With top-k, top-p and the
+    softmax run on the 2k + 16 largest logits alone instead of a sort of the whole vocabulary
+    (1.7 ms a row for 49k tokens, more than the rest of a request's share of a decoding step)."""
     logits = logits.float()
     if params.greedy:
         out = torch.zeros_like(logits)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
-    if params.top_k > 0 and params.top_k < vocab:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+    if 0 < params.top_k < vocab:
+        # the largest 2k + 16 logits, largest first: they hold every tie of the k-th value unless
+        # the last of them ties it too (then the general path below)
+        vals, idx = logits.topk(min(vocab, 2 * params.top_k + 16), dim=-1)
+        kth = vals[..., params.top_k - 1:params.top_k]
+        keep = vals >= kth
+        if vals.shape[-1] == vocab or not bool(keep[..., -1].any()):
+            idx, by_id = idx.sort(dim=-1)            # equal logits in token-id order, as below
+            vals, by_value = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+            idx = idx.gather(-1, by_value)
+            vals = vals.masked_fill(vals < kth, float("-inf"))
+            if params.top_p < 1.0:
+                vals = vals.masked_fill(_beyond_top_p(vals.softmax(-1), params.top_p), float("-inf"))
+            return torch.zeros_like(logits).scatter_(-1, idx, vals.softmax(-1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens strictly before it already reach top_p (the first token stays)
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = before >= params.top_p
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)   # ties: lower id first
+        drop_sorted = _beyond_top_p(sorted_logits.softmax(-1), params.top_p)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def _beyond_top_p(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """For probabilities sorted largest first: the tokens whose predecessors already reach top_p."""
+    return (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

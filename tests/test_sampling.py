@@ -81,3 +81,38 @@ def test_sample_rows_matches_each_rows_distribution():
     batch = sample_rows(probs, [torch.Generator().manual_seed(9), torch.Generator().manual_seed(7),
                                 torch.Generator().manual_seed(9)])
     assert int(solo[0]) == int(batch[1])
+
+
+def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' warpers, written out: temperature, top-k (ties at the k-th value kept), then
+    top-p over the survivors (a token goes when the ones before it already reach p)."""
+    x = logits.float() / temperature
+    if top_k:
+        x = x.masked_fill(x < x.topk(top_k).values[..., -1:], float("-inf"))
+    if top_p < 1.0:
+        pr = x.softmax(-1)
+        out = torch.full_like(x, float("-inf"))
+        for r in range(x.shape[0]):
+            order = sorted(range(x.shape[1]), key=lambda i: -float(pr[r, i]))
+            mass = 0.0
+            for i in order:
+                if mass >= top_p:
+                    break
+                out[r, i] = x[r, i]
+                mass += float(pr[r, i])
+        x = out
+    return x.softmax(-1)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (5, 0.6), (40, 0.8), (0, 0.8), (3, 0.999)])
+def test_top_k_top_p_match_the_reference(top_k, top_p):
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 300) * 3).to(torch.bfloat16)    # bf16: ties at the k-th value happen
+    logits[0, :10] = logits[0, 0]                            # a row with a tie across the top-k cut
+    logits[1, 100:140] = logits[1].max() + 1                 # more ties than the fast path looks at
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+    want = _reference_probs(logits, 0.7, top_k, top_p)
+    # row by row (as verification calls it: the rows without a tie take the k-value path) and batched
+    for got in (torch.stack([probs_from_logits(row, params) for row in logits]), probs_from_logits(logits, params)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert ((got > 0) == (want > 0)).all()
