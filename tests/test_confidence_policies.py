@@ -241,7 +241,8 @@ def test_cost_model_learns_what_steps_really_cost():
     with a probe now and then (1.3 tokens for 2.0 s do not pay). Plain steps correct the plain
     price alike."""
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import PrefixPolicy, _CostModel
+    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.sps import CostModel
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
     pol = PrefixPolicy(table, block=3)
@@ -261,7 +262,7 @@ def test_cost_model_learns_what_steps_really_cost():
     assert wants[0] >= 8                                 # drafted on the table's word
     assert all(w <= 1 for w in wants[-16:])              # then only the one-token probes
     assert pol.cost.extra_scale > 2        # learning goes on with the probes
-    cm = _CostModel(table)
+    cm = CostModel(table)
     for _ in range(100):
         cm.expect(8, 0, 8, 0, 0)
         cm.observe(2.8)

@@ -19,6 +19,7 @@ from collections import deque
 
 from ..errors import UsageError
 from .policies import Policy
+from .sps import CostModel
 
 
 def _survivals(proposal, fallback: list[float]) -> list[float]:
@@ -128,66 +129,6 @@ class EMAPolicy(Policy):
         return out
 
 
-class _CostModel:
-    """Seconds of an engine step, from the cost table, corrected online by the steps the engine
-    reports. The table is measured once, on uniform steps, on the machine's state of that day;
-    a serving step differs (ragged blocks, other contexts, a busier or quieter machine). Two
-    factors, each an exponential average of measured / predicted: one for a plain step at the
-    step's size, one for what drafting and verifying drafts add to it."""
-
-    def __init__(self, cost_table, beta: float = 0.05):
-        self.table = cost_table
-        self.beta = beta
-        self.base_scale = 1.0     # measured / table, plain steps
-        self.extra_scale = 1.0    # measured / table, the part drafting adds
-        self._pending = None      # (plain part, drafting part) predicted for the step being run
-        self._measured = [[0.0, 0.0], [0.0, 0.0]]   # averages (measured, predicted): plain part, extra part
-
-    def _parts(self, requests, extra, context, drafting, depth) -> tuple[float, float]:
-        t = self.table
-        per = max(0.0, extra / max(1, requests))
-        base = t.target_seconds(requests, 0, context)
-        if drafting is None:
-            return base, t.step_seconds(requests, per, context) - base
-        return base, t.target_seconds(requests, per, context) - base + t.drafter_seconds(drafting, depth, context)
-
-    def seconds(self, requests: int, extra: float, context: int, drafting: int | None = None,
-                depth: float = 0.0) -> float:
-        """A step of R requests verifying ``extra`` drafted tokens in all (beyond the R anchors).
-        ``drafting``: how many requests drafted, ``depth`` tokens each on average; None = all R,
-        ``extra / R`` each (the table's own rows). Without a table every token is free (the
-        fixed policy's view): 1 s a step whatever it verifies."""
-        if self.table is None:
-            return 1.0
-        base, more = self._parts(requests, extra, context, drafting, depth)
-        return base * self.base_scale + more * self.extra_scale
-
-    def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float) -> None:
-        """The step about to run (what the policy chose), to compare with what it will cost."""
-        if self.table is not None and requests:
-            self._pending = self._parts(requests, extra, context, drafting, depth)
-
-    def observe(self, seconds: float) -> None:
-        """Ratio estimators (exponential averages of measured and of predicted seconds), so that a
-        probe step whose drafting part is small next to the timing noise weighs little."""
-        if self._pending is None:
-            return
-        base, more = self._pending
-        self._pending = None
-        plain = more <= 0
-        measured, predicted = (seconds, base) if plain else (seconds - base * self.base_scale, more)
-        m = self._measured[0 if plain else 1]
-        if not m[1]:         # start from the table's own figure (ratio 1), as one earlier step
-            m[0] = m[1] = predicted
-        b = self.beta
-        m[0], m[1] = (1 - b) * m[0] + b * measured, (1 - b) * m[1] + b * predicted
-        scale = min(4.0, max(0.25, m[0] / m[1]))
-        if plain:
-            self.base_scale = scale
-        else:
-            self.extra_scale = scale
-
-
 def _drafted(proposals) -> tuple[int, float]:
     """(how many requests drafted, their mean draft length)."""
     lengths = [len(p) for p in proposals if len(p)]
@@ -236,7 +177,7 @@ class _ProfiledPolicy(Policy):
     profile keeps learning at a cost close to nothing, whatever the load."""
 
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
-        self.cost = _CostModel(cost_table)
+        self.cost = CostModel(cost_table)
         self.block = block
         self.profile = _Profile(block or 7)
         self.probe_every = probe_every
