@@ -52,8 +52,9 @@ def drafter_loss(logits: torch.Tensor, positions: torch.Tensor, weights: torch.T
     wsum = w.sum().clamp_min(1e-12)
     vd = logits.shape[-1]
     inv = gt < vd
-    ce = torch.zeros_like(w)
-    ce[inv] = -logp[inv].gather(-1, gt[inv, None]).squeeze(-1)
+    # 0 where the ground truth is outside the draft vocabulary (a select, not a boolean index: its
+    # backward would be an accumulating index_put over [N, Vd])
+    ce = torch.where(inv, -logp.gather(-1, gt.clamp(max=vd - 1)[:, None]).squeeze(-1), torch.zeros_like(w))
     terms = {"ce": (w * ce).sum() / wsum}
     if pt is None:
         loss = terms["ce"]
