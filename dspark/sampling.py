@@ -68,8 +68,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         # the last of them ties it too (then the general path below)
         vals, idx = logits.topk(min(vocab, 2 * params.top_k + 16), dim=-1)
         kth = vals[..., params.top_k - 1:params.top_k]
-        keep = vals >= kth
-        if vals.shape[-1] == vocab or not bool(keep[..., -1].any()):
+        if vals.shape[-1] == vocab or not bool((vals[..., -1:] >= kth).any()):
             idx, by_id = idx.sort(dim=-1)            # equal logits in token-id order, as below
             vals, by_value = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
             idx = idx.gather(-1, by_value)

@@ -75,7 +75,9 @@ def rollouts(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ro = cal.collect(target, drafter, prompts, [r["domain"] for r in rows], blocks=a.blocks)
     finally:
         dspark.engine.verify = plain_verify
-    q = np.array(qs[:len(ro)])
+    if len(qs) != len(ro):     # one q per recorded block, in the same order, or the pairing is wrong
+        raise SystemExit(f"recorded {len(qs)} first-position distributions for {len(ro)} blocks")
+    q = np.array(qs)
     return q, 1 / (1 + np.exp(-ro.z[:, 0])), [(ro.accepted > 0).astype(np.float64)]
 
 

@@ -73,7 +73,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in recipes:
         mine = [x for x in rows if x["recipe"] == r]
-        best = min(mine, key=lambda x: x["loss"])
+        best = min(mine, key=lambda x: (math.isnan(x["loss"]), x["loss"]))   # a run without steps never wins
         for x in mine:
             acc = "-" if math.isnan(x["accept"]) else f"{x['accept']:.4f}"
             print(f"| {r} | {x['lr']:g} | {x['loss']:.4f} | {acc} | {'yes' if x is best else ''} |")
