@@ -11,12 +11,18 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef is_even(n):\n    return n %% 2 == 1
 
-.PHONY: setup demo test bench llama-cpp qwen-coder clean drafters
+.PHONY: setup demo test bench llama-cpp qwen-coder clean drafters lr-sweep
 
 # the training pipeline for the default target; every step resumes where it stopped
 NUM_PROMPTS ?= 1461
-TRAIN_FLAGS ?= --epochs 4 --batch-size 8 --anchors 64 --lr 2e-3
+TRAIN_FLAGS ?= --epochs 4 --batch-size 8 --anchors 64
 RECIPES ?= dspark dflash dflash-5 eagle3 dspark-rnn
+# each recipe's learning rate (the committed drafters were all trained at 2e-3; `make lr-sweep` compares rates)
+LR_dspark ?= 2e-3
+LR_dflash ?= 2e-3
+LR_dflash-5 ?= 2e-3
+LR_eagle3 ?= 2e-3
+LR_dspark-rnn ?= 2e-3
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,5 +63,11 @@ drafters: $(STAMP)
 	$(BIN)/dspark prepare
 	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
 	$(BIN)/dspark cache
-	for r in $(RECIPES); do $(BIN)/dspark train --recipe $$r $(TRAIN_FLAGS) || exit 1; done
+	$(foreach r,$(RECIPES),$(BIN)/dspark train --recipe $(r) --lr $(LR_$(r)) $(TRAIN_FLAGS) &&) true
 	$(BIN)/dspark calibrate --shift --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"
+
+# the learning-rate sweep: every recipe at 1e-3, 2e-3 and 4e-3 (after `make drafters` has written the cache)
+lr-sweep: $(STAMP)
+	W="$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/work/smollm2-135m-instruct"; \
+	$(BIN)/python scripts/lr_sweep.py --work "$$W" --out "$$W/lr-sweep" --recipes $(shell echo $(RECIPES) | tr ' ' ',') \
+		--lrs 1e-3,2e-3,4e-3 --steps 80 $(TRAIN_FLAGS) --parallel 2
