@@ -9,7 +9,7 @@ trained on, so that average is a held-out estimate (progressive validation) and 
 
 Caution: a long schedule stopped early compares rates at their peak, which favours the higher ones. On 4,712
 answers (884-step schedule) this sweep chose 4e-3 for DSpark, and the full DSpark run at 4e-3 ended below
-DFlash at 1e-3 in benchmark tau; full runs at the lower rates decide it.
+DFlash at 1e-3 in benchmark tau, while the full run at 1e-3 beat both.
 
 Runs are resumable (rerun the same command: finished runs are read, cut ones resume from their
 checkpoints) and ``--parallel N`` runs N at once with 2 / N threads each (``--threads`` to set it).
