@@ -17,7 +17,7 @@ DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef 
 NUM_PROMPTS ?= 1461
 TRAIN_FLAGS ?= --epochs 4 --batch-size 8 --anchors 64
 RECIPES ?= dspark dflash dflash-5 eagle3 dspark-rnn
-# each recipe's learning rate (the committed drafters were all trained at 2e-3; `make lr-sweep` compares rates)
+# each recipe's learning rate, 2e-3 when unset (the committed drafters were all trained at 2e-3; `make lr-sweep` compares rates)
 LR_dspark ?= 2e-3
 LR_dflash ?= 2e-3
 LR_dflash-5 ?= 2e-3
@@ -63,7 +63,7 @@ drafters: $(STAMP)
 	$(BIN)/dspark prepare
 	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
 	$(BIN)/dspark cache
-	$(foreach r,$(RECIPES),$(BIN)/dspark train --recipe $(r) --lr $(LR_$(r)) $(TRAIN_FLAGS) &&) true
+	$(foreach r,$(RECIPES),$(BIN)/dspark train --recipe $(r) --lr $(or $(LR_$(r)),2e-3) $(TRAIN_FLAGS) &&) true
 	$(BIN)/dspark calibrate --shift --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"
 
 # the learning-rate sweep: every recipe at 1e-3, 2e-3 and 4e-3 (after `make drafters` has written the cache)
