@@ -98,6 +98,9 @@ def add_parsers(sub, h) -> None:
                    help="draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
     t.add_argument("--save-every", type=h._positive_int, default=10, help="checkpoint every N steps")
     t.add_argument("--seed", type=h._int, default=0)
+    t.add_argument("--init-from-target", type=h._int_list(0), default=None, metavar="IDS",
+                   help="start drafter layer i from the target's layer IDS[i] and the final norm from the "
+                        "target's (comma list, one id per drafter layer; default: random)")
     h._add_model_flags(t)
     t.set_defaults(threads=2)
     work(t)
@@ -226,7 +229,8 @@ def cmd_train(args) -> int:
     if not (out / "checkpoint").exists():
         vocab = build_draft_vocab(source, args.draft_vocab, tc.vocab_size, always=target.eos_token_ids)
     tcfg = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
-                       max_steps=args.max_steps, save_every=args.save_every, seed=args.seed)
+                       max_steps=args.max_steps, save_every=args.save_every, seed=args.seed,
+                       init_layers=args.init_from_target)
     res = train(source, cfg, out, target, tcfg, draft_vocab=vocab, log=lambda m: print(m, file=sys.stderr))
     print(json.dumps({"out": str(out), **res}))
     return 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.drafters.backbone import packed_block_mask
+from dspark.drafters.backbone import init_from_target, packed_block_mask
 from dspark.drafters.config import position_weights
 from dspark.errors import DsparkError
 from dspark.training.cache import CacheReader, build_cache
@@ -124,6 +124,42 @@ def test_packed_forward_equals_one_block_at_a_time(kind, head):
     for a, anchor in enumerate(anchors.tolist()):
         _, alone, _ = model.forward_train(feats[:anchor], ids, torch.tensor([anchor]))
         assert torch.allclose(packed[a], alone[0], atol=1e-4), f"block at anchor {anchor} differs"
+
+
+def test_drafter_started_from_a_target_layer_computes_that_layer():
+    """init_from_target copies q / k / v and gate / up out of the fused target weights in the right
+    order: under a causal mask and no injected context, the drafter's backbone on token embeddings
+    equals the target cut to that one layer (its output after the final norm)."""
+    target = tiny_target()
+    model = tiny_drafter_model(target, "dflash", "none", layers=1)
+    init_from_target(model.backbone, [target.layers[0]], target.final_norm)
+    for m in model.modules():             # the tiny Llama's norm epsilon (the drafter config's is 1e-5)
+        if isinstance(m, torch.nn.RMSNorm):
+            m.eps = target.config.rms_norm_eps
+    ids = torch.tensor([1, 3, 0, 4, 2, 2, 1])
+    n = ids.shape[0]
+    one = target.truncated(1)
+    cache = one.new_cache(1, n)
+    want = one.forward(ids, [(0, n)], cache, logits_rows=None).last_hidden
+    empty = torch.zeros(0, 2, 8)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    with torch.no_grad():
+        got = model.backbone(model.embed_tokens(ids), torch.arange(n), [(empty, empty)], causal)
+    assert torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(ValueError, match="2 target layers for 1 drafter layers"):
+        init_from_target(model.backbone, target.layers[:2])
+
+
+def test_training_from_target_layers_rejects_eagle3_and_bad_ids(tmp_path):
+    target = tiny_target()
+    build_cache(_rows(4), as_target(target), tmp_path / "c", [0, 2], progress=False, log=lambda m: None)
+    source = CacheReader(tmp_path / "c")
+    for kind, ids, msg in [("eagle3", [0], "EAGLE-3"), ("dspark", [7], "must be in"),
+                           ("dspark", [0, 1], "2 target layers for 1")]:
+        with pytest.raises(DsparkError, match=msg):
+            train(source, tiny_config(kind), tmp_path / kind, as_target(target),
+                  TrainConfig(epochs=1, batch_size=2, anchors=4, max_steps=1, init_layers=ids),
+                  progress=False, log=lambda m: None)
 
 
 # ------------------------------------------------------------------------------------ the cache

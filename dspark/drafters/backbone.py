@@ -121,3 +121,32 @@ def packed_block_mask(anchors: torch.Tensor, block: int, ctx_len: int) -> torch.
     blk = torch.arange(A).repeat_interleave(block)
     own = blk[:, None] == blk[None, :]
     return torch.cat([ctx_ok, own], 1)
+
+
+@torch.no_grad()
+def init_from_target(backbone: Backbone, layers: list, final_norm: torch.Tensor | None = None) -> None:
+    """Start drafter layer i from the target's decoder layer ``layers[i]`` (its runtime
+    ``LayerWeights``: fused qkv [q; k; v] and gate_up [gate; up], [out, in] each) and the final
+    norm from the target's, instead of a random start. The shapes must match (a drafter of the
+    target's width and heads) and the target layer must be a plain pre-norm one: no biases, q / k
+    norms or sandwich norms, which the drafter layer does not have."""
+    if len(layers) != len(backbone.layers):
+        raise ValueError(f"{len(layers)} target layers for {len(backbone.layers)} drafter layers")
+    for mine, lw in zip(backbone.layers, layers):
+        extra = [n for n in ("qkv_bias", "o_bias", "q_norm", "k_norm", "pre_ff_norm", "post_ff_norm")
+                 if getattr(lw, n) is not None]
+        if extra:
+            raise ValueError(f"target layer has {', '.join(extra)}, which a drafter layer lacks")
+        q, k = mine.q_proj.weight.shape[0], mine.k_proj.weight.shape[0]
+        inter = mine.gate_proj.weight.shape[0]
+        parts = [(mine.input_norm.weight, lw.input_norm), (mine.q_proj.weight, lw.qkv[:q]),
+                 (mine.k_proj.weight, lw.qkv[q:q + k]), (mine.v_proj.weight, lw.qkv[q + k:]),
+                 (mine.o_proj.weight, lw.o), (mine.post_norm.weight, lw.post_attn_norm),
+                 (mine.gate_proj.weight, lw.gate_up[:inter]), (mine.up_proj.weight, lw.gate_up[inter:]),
+                 (mine.down_proj.weight, lw.down)]
+        for dst, src in parts:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"drafter weight {tuple(dst.shape)} != target weight {tuple(src.shape)}")
+            dst.copy_(src.to(dst.dtype))
+    if final_norm is not None:
+        backbone.norm.weight.copy_(final_norm.to(backbone.norm.weight.dtype))

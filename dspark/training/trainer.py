@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ..drafters.backbone import init_from_target
 from ..drafters.config import DrafterConfig, position_weights
 from ..drafters.dspark import DSparkModel
 from ..errors import DsparkError, UsageError
@@ -51,6 +52,7 @@ class TrainConfig:
     log_every: int = 5
     loss_decay: float = 4.0       # position weights exp(-(k-1)/decay)
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
+    init_layers: list | None = None  # start drafter layer i from target layer init_layers[i] (None: random)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -140,6 +142,18 @@ def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch
     return drafter_loss(flat_logits, ks, weights, gt, pt, pt_out, cl)
 
 
+def _init_from_target(model, target, layer_ids: list) -> None:
+    if model.config.kind == "eagle3":
+        raise UsageError("the EAGLE-3-style layer reads [embedding; feature] (2d inputs): it cannot start from a target layer")
+    n = len(target.model.layers)
+    if any(not 0 <= i < n for i in layer_ids):
+        raise UsageError(f"target layer ids must be in [0, {n - 1}], got {layer_ids}")
+    try:
+        init_from_target(model.backbone, [target.model.layers[i] for i in layer_ids], target.model.final_norm)
+    except ValueError as e:
+        raise UsageError(f"cannot start the drafter from target layers {layer_ids}: {e}") from None
+
+
 # -------------------------------------------------------------------------------- checkpoints
 def _save_checkpoint(folder: Path, model, opt, step: int, history: list, tcfg: TrainConfig) -> None:
     tmp = folder.parent / (folder.name + ".tmp")
@@ -216,6 +230,8 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     model.attach(target.model.embed, target.model.lm_head, init_mask=True)
     if not ckpt.exists():
         model.backbone.feature_scale.copy_(feature_scale(source))
+        if tcfg.init_layers:
+            _init_from_target(model, target, tcfg.init_layers)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(n / tcfg.batch_size)
