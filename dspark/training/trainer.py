@@ -232,6 +232,8 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
         model.backbone.feature_scale.copy_(feature_scale(source))
         if tcfg.init_layers:
             _init_from_target(model, target, tcfg.init_layers)
+            if rank == 0:
+                log(f"drafter layers start from target layers {list(tcfg.init_layers)} (and its final norm)")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(n / tcfg.batch_size)
