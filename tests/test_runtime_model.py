@@ -85,6 +85,30 @@ def test_ragged_batch_equals_separate_requests(family):
     assert last.logits.shape == (3, 97)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_short_segments_beside_a_prefill_and_a_free_slot(family):
+    """Short segments attend in one batched product over their slot range (which here includes a
+    free slot) while a long prefill in the same forward attends alone; all equal transformers."""
+    hf = _tiny(family)
+    dec = Decoder.from_hf(hf, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    a, c, d = (torch.randint(0, 97, (n,), generator=g) for n in (12, 15, 24))
+    cache = dec.new_cache(num_slots=4, max_len=40)
+    sa, gap, sc, sd = (cache.allocate() for _ in range(4))
+    cache.free(gap)
+    dec(a[:10], [(sa, 10)], cache)
+    dec(c[:3], [(sc, 3)], cache)
+    out = dec(torch.cat([a[10:11], c[3:12], d[:20]]), [(sa, 1), (sc, 9), (sd, 20)], cache)
+    nxt = dec(torch.cat([a[11:12], c[12:15], d[20:24]]), [(sa, 1), (sc, 3), (sd, 4)], cache)
+    with torch.no_grad():
+        for o, seq, end, rows in ((out, a, 11, slice(0, 1)), (out, c, 12, slice(1, 10)), (out, d, 20, slice(10, 30)),
+                                  (nxt, a, 12, slice(0, 1)), (nxt, c, 15, slice(1, 4)), (nxt, d, 24, slice(4, 8))):
+            n = rows.stop - rows.start
+            ref = hf(seq[:end].unsqueeze(0)).logits[0, -n:]
+            torch.testing.assert_close(o.logits[rows], ref, atol=2e-5, rtol=1e-4)
+    assert [cache.lengths[s] for s in (sa, sc, sd)] == [12, 15, 24]
+
+
 def test_bf16_close_to_fp32():
     hf = _tiny("qwen3")
     ids = torch.randint(0, 97, (15,), generator=torch.Generator().manual_seed(3))

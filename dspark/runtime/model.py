@@ -2,8 +2,9 @@
 
 A forward runs over a ragged batch: the new tokens of several requests flattened into one
 ``[N]`` tensor, described by ``segments`` = ``[(cache_slot, num_new_tokens), ...]``. Every linear
-layer runs once over all N rows; attention runs per segment against that request's own cache
-slot (no padding to the longest request). The forward appends the new keys/values to the cache;
+layer runs once over all N rows (the new keys / values go into the cache in one indexed write);
+attention runs per segment against that request's own cache slot (no padding to the longest
+request). The forward appends the new keys/values to the cache;
 rolling back rejected tokens is ``cache.truncate``.
 
 Weights come from a loaded transformers model (``Decoder.from_hf``): transformers stays the
@@ -264,7 +265,11 @@ class Decoder:
         masks = self._masks(segments, starts)
 
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rep = H // Hkv
         q_size, kv_size = cfg.q_size, cfg.kv_size
+        # where each new row's key / value goes: (slot, position)
+        wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
+        wpos = positions
         eps = cfg.rms_norm_eps
         scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
         x = F.embedding(input_ids, self.embed)
@@ -283,16 +288,24 @@ class Decoder:
             qk = qk * cos + qk.roll(hd // 2, -1) * sin   # RoPE on queries and keys at once
             q, k = qk[:, :H], qk[:, H:]
             kc, vc = cache.k[li], cache.v[li]
-            outs = []
+            kc[wslot, :, wpos] = k.to(kc.dtype)      # every row's key / value into its slot at once
+            vc[wslot, :, wpos] = v.to(vc.dtype)
+            # attention per segment against its own slot (no padding); a decoding row's query heads
+            # are a [Hkv, rep, hd] view of one scaled copy of all queries, its output a view of one
+            # buffer: three kernels per request and layer
+            qs = q.to(kc.dtype) * scale
+            attn = torch.empty(n_total, H * hd, dtype=kc.dtype, device=self.device)
             row = 0
             for (slot, n), start, mask_for in zip(segments, starts, masks):
                 end = start + n
-                kc[slot, :, start:end] = k[row:row + n].transpose(0, 1)
-                vc[slot, :, start:end] = v[row:row + n].transpose(0, 1)
-                outs.append(attention(q[row:row + n], kc[slot, :, :end], vc[slot, :, :end],
-                                       mask_for(lw.window), scale))
+                mask = mask_for(lw.window)
+                if n == 1 and mask is None:
+                    s = torch.bmm(qs[row].view(Hkv, rep, hd), kc[slot, :, :end].transpose(1, 2))
+                    torch.bmm(torch.softmax(s, -1), vc[slot, :, :end], out=attn[row].view(Hkv, rep, hd))
+                else:
+                    attn[row:row + n] = attention(q[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask, scale)
                 row += n
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            attn = attn.to(x.dtype)
             attn = linear(attn, lw.o, lw.o_bias)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich
                 x = x + rms_norm(attn, lw.post_attn_norm, eps)
