@@ -87,8 +87,9 @@ def test_ragged_batch_equals_separate_requests(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_short_segments_beside_a_prefill_and_a_free_slot(family):
-    """Short segments attend in one batched product over their slot range (which here includes a
-    free slot) while a long prefill in the same forward attends alone; all equal transformers."""
+    """One forward mixing a decoding row, short blocks and a 20-token prefill, with a free slot among
+    the used ones: every row's key / value lands in its own slot (one indexed write) and every
+    segment's logits equal transformers."""
     hf = _tiny(family)
     dec = Decoder.from_hf(hf, dtype=torch.float32)
     g = torch.Generator().manual_seed(4)

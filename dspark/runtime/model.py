@@ -269,7 +269,6 @@ class Decoder:
         q_size, kv_size = cfg.q_size, cfg.kv_size
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
-        wpos = positions
         eps = cfg.rms_norm_eps
         scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
         x = F.embedding(input_ids, self.embed)
@@ -288,18 +287,20 @@ class Decoder:
             qk = qk * cos + qk.roll(hd // 2, -1) * sin   # RoPE on queries and keys at once
             q, k = qk[:, :H], qk[:, H:]
             kc, vc = cache.k[li], cache.v[li]
-            kc[wslot, :, wpos] = k.to(kc.dtype)      # every row's key / value into its slot at once
-            vc[wslot, :, wpos] = v.to(vc.dtype)
+            kc[wslot, :, positions] = k.to(kc.dtype)      # every row's key / value into its slot at once
+            vc[wslot, :, positions] = v.to(vc.dtype)
             # attention per segment against its own slot (no padding); a decoding row's query heads
             # are a [Hkv, rep, hd] view of one scaled copy of all queries, its output a view of one
-            # buffer: three kernels per request and layer
-            qs = q.to(kc.dtype) * scale
+            # buffer: three kernels per request and layer (the copy is made only when a step decodes)
+            qs = None
             attn = torch.empty(n_total, H * hd, dtype=kc.dtype, device=self.device)
             row = 0
             for (slot, n), start, mask_for in zip(segments, starts, masks):
                 end = start + n
                 mask = mask_for(lw.window)
                 if n == 1 and mask is None:
+                    if qs is None:
+                        qs = q.to(kc.dtype) * scale
                     s = torch.bmm(qs[row].view(Hkv, rep, hd), kc[slot, :, :end].transpose(1, 2))
                     torch.bmm(torch.softmax(s, -1), vc[slot, :, :end], out=attn[row].view(Hkv, rep, hd))
                 else:
