@@ -79,3 +79,25 @@ def test_concurrency_repeats_report_totals(capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert [(r["policy"], r["repeats"], r["requests"]) for r in res] == [("plain", 2, 4), ("mtp1", 2, 4)]
     assert main(["bench", "concurrency", "--repeats", "0"]) == 2
+
+
+def test_concurrency_runs_start_from_a_reset_drafter(target_fp32, bench_prompts, monkeypatch):
+    """The n-gram drafter remembers the requests it served; a bench run that sends the same
+    prompts again must not draft them from their answers in an earlier run."""
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.evaluation.concurrency import run_closed_loop
+    from dspark.sampling import SamplingParams
+    from dspark.scheduling.policies import make_policy
+    drafter = NgramDrafter(block_size=7)
+    prompts, params = bench_prompts[:3], SamplingParams(temperature=0)
+    keys = ("tokens", "rounds", "num_draft_tokens", "num_accepted_tokens")
+
+    def run():
+        res = run_closed_loop(target_fp32, drafter, make_policy("fixed", 7), prompts, 2, 24, params, 7)
+        return [res[k] for k in keys]
+
+    first, second = run(), run()
+    assert len(drafter.history) > 0 and first == second
+    monkeypatch.setattr(drafter, "reset", lambda: None)   # what the bench did before: the history carries over
+    carried = run()
+    assert carried[3] > first[3]

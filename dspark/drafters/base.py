@@ -64,6 +64,9 @@ class Drafter:
     def release(self, context: DraftContext) -> None:
         """The request ended (finished or cancelled): free what it held."""
 
+    def reset(self) -> None:
+        """Forget what earlier requests taught the drafter, as a freshly started server would."""
+
 
 class PlainDrafter(Drafter):
     """No drafting: every round verifies only the anchor, i.e. plain decoding."""

@@ -148,3 +148,6 @@ class NgramDrafter(Drafter):
         if not self.history_tokens or not context.tokens:
             return
         self.history = self.history.extended(context.tokens, self.history_tokens)
+
+    def reset(self) -> None:
+        self.history = History()

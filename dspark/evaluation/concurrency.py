@@ -4,7 +4,9 @@ At concurrency C, C clients each keep one request in flight: when a request ends
 the next prompt, until ``num_prompts`` requests have run. Reported per (policy, concurrency):
 total tokens/s (all new tokens over the wall time) and per-user tokens/s (mean over requests of
 new tokens over that request's latency, queueing included). Policies run side by side in one
-process, interleaved per concurrency level.
+process, interleaved per concurrency level. Every run starts from a reset drafter: a drafter that
+learns from the requests it served (the n-gram drafter's history) would otherwise draft the same
+prompts from their answers in an earlier run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurren
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
                     block_size=block_size, eos_ids=target.eos_token_ids, padded=padded,
                     cost_table=cost_table)
+    drafter.reset()
     queue = list(prompts)
     live, done = [], []
     t0 = time.perf_counter()
