@@ -289,20 +289,29 @@ class Decoder:
             kc, vc = cache.k[li], cache.v[li]
             kc[wslot, :, positions] = k.to(kc.dtype)      # every row's key / value into its slot at once
             vc[wslot, :, positions] = v.to(vc.dtype)
-            # attention per segment against its own slot (no padding); a decoding row's query heads
-            # are a [Hkv, rep, hd] view of one scaled copy of all queries, its output a view of one
-            # buffer: three kernels per request and layer (the copy is made only when a step decodes)
+            # attention per segment against its own slot (no padding). A segment that no sliding
+            # window cuts sees every cached key and its own rows causally: its query heads are a
+            # [Hkv, rep * n, hd] view (n = 1) or copy of one scaled copy of all queries, grouped
+            # with their KV head, and only the last n key columns take the causal triangle
             qs = None
             attn = torch.empty(n_total, H * hd, dtype=kc.dtype, device=self.device)
             row = 0
             for (slot, n), start, mask_for in zip(segments, starts, masks):
                 end = start + n
                 mask = mask_for(lw.window)
-                if n == 1 and mask is None:
+                if mask is None or mask.shape[1] == n:
                     if qs is None:
                         qs = q.to(kc.dtype) * scale
-                    s = torch.bmm(qs[row].view(Hkv, rep, hd), kc[slot, :, :end].transpose(1, 2))
-                    torch.bmm(torch.softmax(s, -1), vc[slot, :, :end], out=attn[row].view(Hkv, rep, hd))
+                    qg = qs[row:row + n].view(n, Hkv, rep, hd).transpose(0, 1).reshape(Hkv, n * rep, hd)
+                    s = torch.bmm(qg, kc[slot, :, :end].transpose(1, 2))
+                    if mask is not None:
+                        s.view(Hkv, n, rep, end)[..., start:].add_(mask.unsqueeze(1))
+                    p = _softmax(s)
+                    if n == 1:
+                        torch.bmm(p, vc[slot, :, :end], out=attn[row].view(Hkv, rep, hd))
+                    else:
+                        o = torch.bmm(p, vc[slot, :, :end]).view(Hkv, n, rep, hd)
+                        attn[row:row + n].view(n, Hkv, rep, hd).copy_(o.transpose(0, 1))
                 else:
                     attn[row:row + n] = attention(q[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask, scale)
                 row += n
@@ -342,24 +351,36 @@ class Decoder:
     __call__ = forward
 
     def _masks(self, segments, starts):
-        """Per segment, a function window -> additive attention mask (None when nothing is masked)."""
+        """Per segment, a function window -> its additive attention mask: None when nothing is
+        masked (one row that no window cuts), the [n, n] causal triangle over the segment's own
+        keys when the window cuts none of the earlier ones (every earlier key is visible), else
+        the full [n, start + n] mask."""
         out = []
+        triangles = {}
         for (_, n), start in zip(segments, starts):
             memo = {}
 
             def mask_for(window, start=start, n=n, memo=memo):
                 if window not in memo:
                     end = start + n
-                    if n == 1 and (window is None or end <= window):
-                        memo[window] = None
+                    if window is None or end <= window:
+                        if n not in triangles:
+                            triangles[n] = None if n == 1 else torch.full(
+                                (n, n), float("-inf"), dtype=self.kv_dtype, device=self.device).triu_(1)
+                        memo[window] = triangles[n]
                     else:
                         qpos = torch.arange(start, end, device=self.device).unsqueeze(1)
                         kpos = torch.arange(end, device=self.device).unsqueeze(0)
-                        mask = kpos <= qpos
-                        if window is not None:
-                            mask &= kpos > qpos - window
+                        mask = (kpos <= qpos) & (kpos > qpos - window)
                         memo[window] = torch.zeros(mask.shape, dtype=self.kv_dtype,
                                                    device=self.device).masked_fill_(~mask, float("-inf"))
                 return memo[window]
             out.append(mask_for)
         return out
+
+
+def _softmax(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, computed in fp32 whatever the scores' dtype."""
+    if s.dtype == torch.float32:
+        return torch.softmax(s, -1)
+    return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
