@@ -134,6 +134,7 @@ def test_no_drafting_when_it_does_not_pay_but_a_one_token_probe_in_turn(name):
     dear = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                      seconds=[[[1.0, 1.5, 1.8], [1.4, 2.1, 2.5]]])
     pol = make_policy(name, 3, cost_table=dear)
+    pol.probe_budget = 1.0          # probes cheap enough to come every 8 steps (see the next test)
     pol.profile.hits, pol.profile.tries = [0.1, 0.05, 0.05], [1.0] * 3
     reqs = _requests(2)
     plans = []
@@ -146,6 +147,36 @@ def test_no_drafting_when_it_does_not_pay_but_a_one_token_probe_in_turn(name):
     assert plans[7][0] in ([1, 0], [0, 1]) and plans[15][0] in ([1, 0], [0, 1])
     assert plans[7][0] != plans[15][0]                          # the probe goes round the requests
     assert plans[7][1] == plans[7][0]                           # and is verified despite c = 0.01
+
+
+@pytest.mark.parametrize("name", ["prefix", "async"])
+def test_probes_cost_at_most_their_budget(name):
+    """A probe that costs a quarter of a plain step comes at most once in 25 steps under a 1 %
+    budget, and further apart once the steps show that probes cost twice what the table says."""
+    from dspark.drafters.base import Proposal
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.25, 1.5], [1.0, 1.25, 1.5]]], draft=[[[0, 0.25, 0.25], [0, 0.25, 0.25]]])
+    pol = make_policy(name, 3, cost_table=table)
+    pol.profile.hits, pol.profile.tries = [0.01, 0.01, 0.01], [1.0] * 3
+    reqs = _requests(2)
+    assert pol.probe_gap(reqs) == 25
+
+    def probe_steps(n, probe_seconds):
+        steps = []
+        for i in range(n):
+            want = pol.draft_lengths(reqs, 3)
+            props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.01] * w)) if w else Proposal.empty()
+                     for w in want]
+            pol.verify_lengths(reqs, props)
+            pol.observe_step(probe_seconds if any(want) else 1.0)
+            if any(want):
+                steps.append(i)
+        return steps
+
+    first = probe_steps(100, 1.25)           # probes as dear as the table says
+    assert first[:4] == [24, 49, 74, 99]
+    probe_steps(1500, 1.5)                   # twice as dear: the cost model learns it
+    assert pol.cost.extra_scale > 1.7 and pol.probe_gap(reqs) >= 43
 
 
 def test_prefix_drafts_only_as_deep_as_the_profile_pays():

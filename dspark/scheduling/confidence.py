@@ -15,6 +15,8 @@ Drafters without a confidence head get a survival profile from the acceptance th
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 
 from ..errors import UsageError
@@ -173,15 +175,21 @@ class _ProfiledPolicy(Policy):
     confidences, what drafting can expect to return, and the default for requests the async policy
     has no snapshot of). Whether drafting pays is decided on expectations: the profile's
     acceptance against the cost table, which prices drafting and verifying together. When nothing
-    pays, one request (in turn) drafts and verifies one token every ``probe_every`` steps, so the
-    profile keeps learning at a cost close to nothing, whatever the load."""
+    pays, one request (in turn) drafts and verifies one token now and then, so that the profile
+    keeps learning: at least ``probe_every`` steps apart, and further apart when a probe's price
+    (the cost model's, corrected by the steps that ran) exceeds ``probe_budget`` of the plain
+    steps between two probes (a probe pays a whole drafter call, and with it the request's context
+    features since it last drafted)."""
 
-    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8):
+    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
+                 probe_budget: float = 0.01):
         self.cost = CostModel(cost_table)
         self.block = block
         self.profile = _Profile(block or 7)
         self.probe_every = probe_every
-        self._idle = 0          # consecutive steps in which drafting did not pay
+        self.probe_budget = probe_budget
+        self._idle = 0          # steps since the last probe, while drafting does not pay
+        self._probes = 0        # probes so far (whose turn is next)
         self._probed = None     # index of the request probed this step, or None
         self._mean: list = []   # per position: EMA over proposals of the calibrated prefix survival
 
@@ -223,12 +231,22 @@ class _ProfiledPolicy(Policy):
     def _expect(self, requests, lengths, drafting: int, depth: float) -> None:
         self.cost.expect(len(requests), sum(lengths), _context(requests), drafting, depth)
 
+    def probe_gap(self, requests) -> int:
+        """Plain steps between two probes: ``probe_every``, or more while a probe would cost more
+        than ``probe_budget`` of them."""
+        R, ctx = len(requests), _context(requests)
+        plain = self.cost.seconds(R, 0, ctx, 0)
+        extra = self.cost.seconds(R, 1, ctx, 1, 1.0) - plain
+        return max(self.probe_every, math.ceil(extra / (self.probe_budget * plain)))
+
     def _probe(self, requests) -> list[int]:
-        """No drafting pays: every ``probe_every`` steps one request, in turn, drafts one token."""
+        """No drafting pays: now and then one request, in turn, drafts one token."""
         self._idle += 1
         out = [0] * len(requests)
-        if requests and self._idle % self.probe_every == 0:
-            self._probed = (self._idle // self.probe_every) % len(requests)
+        if requests and self._idle >= self.probe_gap(requests):
+            self._idle = 0
+            self._probed = self._probes % len(requests)
+            self._probes += 1
             out[self._probed] = 1
         return out
 
@@ -301,8 +319,9 @@ class AsyncPolicy(_ProfiledPolicy):
 
     name = "async"
 
-    def __init__(self, cost_table=None, block: int | None = None, lag: int = 2, probe_every: int = 8):
-        super().__init__(cost_table, block, probe_every)
+    def __init__(self, cost_table=None, block: int | None = None, lag: int = 2, probe_every: int = 8,
+                 probe_budget: float = 0.01):
+        super().__init__(cost_table, block, probe_every, probe_budget)
         self.history: deque = deque(maxlen=lag)
         self.capacity = 0
 
