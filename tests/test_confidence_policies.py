@@ -199,7 +199,8 @@ def test_prefix_drafts_only_as_deep_as_the_profile_pays():
     assert policy([1.0, 1.0, 1.0], [0.4, 0.1, 0.1]).draft_lengths(reqs(), 3) == [3]   # free drafts
     pol = policy([1.0, 1.5, 2.0], [0.05, 0.05, 0.05])                                  # nothing pays
     r = reqs()
-    assert [pol.draft_lengths(r, 3)[0] for _ in range(8)] == [0] * 7 + [1]
+    gap = pol.probe_gap(r)        # a probe costs half a step: 50 steps apart under a 1 % budget
+    assert gap == 50 and [pol.draft_lengths(r, 3)[0] for _ in range(gap)] == [0] * (gap - 1) + [1]
 
 
 def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
