@@ -299,7 +299,7 @@ class Decoder:
             for (slot, n), start, mask_for in zip(segments, starts, masks):
                 end = start + n
                 mask = mask_for(lw.window)
-                if mask is None or mask.shape[1] == n:
+                if mask is None or mask.shape[1] == n:   # (a full mask from position 0 is [n, n] too: same add)
                     if qs is None:
                         qs = q.to(kc.dtype) * scale
                     qg = qs[row:row + n].view(n, Hkv, rep, hd).transpose(0, 1).reshape(Hkv, n * rep, hd)

@@ -16,7 +16,6 @@ Drafters without a confidence head get a survival profile from the acceptance th
 from __future__ import annotations
 
 import math
-
 from collections import deque
 
 from ..errors import UsageError
