@@ -113,25 +113,44 @@ def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
-    """q [n, H, hd] against one request's cache k, v [Hkv, S, hd] -> [n, H * hd].
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           out: torch.Tensor) -> None:
+    """One request's attention: q [n, H, hd] (already scaled, in the cache dtype) against its keys
+    and values k, v [Hkv, S, hd], written into ``out`` [n, H * hd] (contiguous rows).
 
-    Grouped-query heads share their KV head without copying it: the queries of a group are
-    stacked as rows of one matrix product. ``bias`` [n, S] is 0 where a query may look and -inf
-    elsewhere. Softmax in fp32, as transformers does.
+    Grouped-query heads share their KV head without copying it: a group's queries are the rows of
+    one [Hkv, n * rep, hd] product. ``mask`` is additive (0 where a query may look, -inf elsewhere)
+    over the last ``mask.shape[1]`` key columns: the [n, n] causal triangle of the segment's own
+    keys when every earlier key is visible, or a full [n, S] mask; None when nothing is masked.
+    Softmax in fp32, as transformers does.
     """
     n, H, hd = q.shape
-    Hkv = k.shape[0]
+    Hkv, S = k.shape[0], k.shape[1]
     rep = H // Hkv
-    out_dtype = q.dtype
-    qg = q.transpose(0, 1).reshape(Hkv, rep * n, hd).to(k.dtype)  # rows ordered (head in group, token)
-    s = torch.matmul(qg, k.transpose(1, 2)).mul_(scale)         # [Hkv, rep*n, S]
-    if bias is not None:
-        s = s.view(Hkv, rep, n, -1).add_(bias).view(Hkv, rep * n, -1)
-    p = torch.softmax(s, -1, dtype=torch.float32).to(v.dtype)
-    o = torch.matmul(p, v)                                       # [Hkv, rep*n, hd]
-    return o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd).to(out_dtype)
+    s = torch.bmm(q.reshape(n, Hkv, rep, hd).transpose(0, 1).reshape(Hkv, n * rep, hd), k.transpose(1, 2))
+    if mask is not None:
+        s.view(Hkv, n, rep, S)[..., S - mask.shape[1]:].add_(mask.unsqueeze(1))
+    p = _softmax(s)
+    if n == 1:
+        torch.bmm(p, v, out=out.view(Hkv, rep, hd))
+    else:
+        out.view(n, Hkv, rep, hd).copy_(torch.bmm(p, v).view(Hkv, n, rep, hd).transpose(0, 1))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """``attend`` for unscaled queries q [n, H, hd] -> a new [n, H * hd] tensor in q's dtype."""
+    n, H, hd = q.shape
+    out = torch.empty(n, H * hd, dtype=k.dtype, device=k.device)
+    attend(q.to(k.dtype) * scale, k, v, bias, out)
+    return out.to(q.dtype)
+
+
+def _softmax(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, computed in fp32 whatever the scores' dtype."""
+    if s.dtype == torch.float32:
+        return torch.softmax(s, -1)
+    return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
 
 
 class Decoder:
@@ -265,7 +284,6 @@ class Decoder:
         masks = self._masks(segments, starts)
 
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        rep = H // Hkv
         q_size, kv_size = cfg.q_size, cfg.kv_size
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
@@ -289,31 +307,15 @@ class Decoder:
             kc, vc = cache.k[li], cache.v[li]
             kc[wslot, :, positions] = k.to(kc.dtype)      # every row's key / value into its slot at once
             vc[wslot, :, positions] = v.to(vc.dtype)
-            # attention per segment against its own slot (no padding). A segment that no sliding
-            # window cuts sees every cached key and its own rows causally: its query heads are a
-            # [Hkv, rep * n, hd] view (n = 1) or copy of one scaled copy of all queries, grouped
-            # with their KV head, and only the last n key columns take the causal triangle
-            qs = None
+            # attention per segment against its own slot (no padding), from one scaled copy of
+            # all queries into one output buffer
+            qs = q.to(kc.dtype) * scale
             attn = torch.empty(n_total, H * hd, dtype=kc.dtype, device=self.device)
             row = 0
             for (slot, n), start, mask_for in zip(segments, starts, masks):
                 end = start + n
-                mask = mask_for(lw.window)
-                if mask is None or mask.shape[1] == n:   # (a full mask from position 0 is [n, n] too: same add)
-                    if qs is None:
-                        qs = q.to(kc.dtype) * scale
-                    qg = qs[row:row + n].view(n, Hkv, rep, hd).transpose(0, 1).reshape(Hkv, n * rep, hd)
-                    s = torch.bmm(qg, kc[slot, :, :end].transpose(1, 2))
-                    if mask is not None:
-                        s.view(Hkv, n, rep, end)[..., start:].add_(mask.unsqueeze(1))
-                    p = _softmax(s)
-                    if n == 1:
-                        torch.bmm(p, vc[slot, :, :end], out=attn[row].view(Hkv, rep, hd))
-                    else:
-                        o = torch.bmm(p, vc[slot, :, :end]).view(Hkv, n, rep, hd)
-                        attn[row:row + n].view(n, Hkv, rep, hd).copy_(o.transpose(0, 1))
-                else:
-                    attn[row:row + n] = attention(q[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask, scale)
+                attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
+                       attn[row:row + n])
                 row += n
             attn = attn.to(x.dtype)
             attn = linear(attn, lw.o, lw.o_bias)
@@ -377,10 +379,3 @@ class Decoder:
                 return memo[window]
             out.append(mask_for)
         return out
-
-
-def _softmax(s: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim, computed in fp32 whatever the scores' dtype."""
-    if s.dtype == torch.float32:
-        return torch.softmax(s, -1)
-    return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
