@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = bsub.add_parser("concurrency", help="closed-loop clients through the engine, per policy")
     c.add_argument("--repeats", type=_positive_int, default=1,
-                   help="run every policy this many times per concurrency, in alternating order "
-                        "(a shared machine drifts), and report the totals")
+                   help="run the policies this many times per concurrency (each time all of them "
+                        "in turn, one engine step each) and report the totals")
     c.add_argument("--concurrency", type=_int_list(1), default="1,2,4,8,16,32")
     c.add_argument("--policies", default="plain,mtp1,fixed",
                    help="comma list of plain, mtp1, fixed, threshold[-X], ema, prefix (Algorithm 1), "

@@ -101,3 +101,39 @@ def test_concurrency_runs_start_from_a_reset_drafter(target_fp32, bench_prompts,
     monkeypatch.setattr(drafter, "reset", lambda: None)   # what the bench did before: the history carries over
     carried = run()
     assert carried[3] > first[3]
+
+
+def test_interleaved_policies_match_their_runs_alone_and_time_only_their_own_steps(target_fp32, bench_prompts):
+    """Policies advanced in turn (one engine step each) decode exactly what they decode alone,
+    each with its own drafter, and each loop's clock leaves out the time spent in the others."""
+    import time
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.evaluation.concurrency import closed_loop, interleave, run_closed_loop
+    from dspark.sampling import SamplingParams
+    from dspark.scheduling.policies import make_policy
+    prompts, params = bench_prompts[:3], SamplingParams(temperature=0)
+    keys = ("tokens", "requests", "rounds", "engine_steps", "num_draft_tokens", "num_accepted_tokens")
+
+    def loop(name):
+        return closed_loop(target_fp32, NgramDrafter(block_size=7), make_policy(name, 7), prompts, 2, 16, params, 7)
+
+    alone = {n: run_closed_loop(target_fp32, NgramDrafter(block_size=7), make_policy(n, 7), prompts, 2, 16,
+                                params, 7) for n in ("fixed", "plain")}
+    pause, steps = 0.05, []
+
+    def elsewhere():                      # another loop's work: time that is not the policies'
+        for _ in range(40):
+            time.sleep(pause)
+            steps.append(1)
+            yield
+        return "other"
+
+    t0 = time.perf_counter()
+    fixed, plain, other = interleave([loop("fixed"), loop("plain"), elsewhere()])
+    elapsed = time.perf_counter() - t0
+    assert other == "other" and fixed["policy"] == "fixed" and plain["policy"] == "plain"
+    for name, res in (("fixed", fixed), ("plain", plain)):
+        assert [res[k] for k in keys] == [alone[name][k] for k in keys]
+        assert res["per_user_tokens_per_second"] > 0
+    assert fixed["engine_steps"] < plain["engine_steps"]      # drafting took fewer steps
+    assert fixed["wall_seconds"] + plain["wall_seconds"] <= elapsed - pause * len(steps) + 0.05

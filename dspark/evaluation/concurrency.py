@@ -3,10 +3,13 @@
 At concurrency C, C clients each keep one request in flight: when a request ends its client sends
 the next prompt, until ``num_prompts`` requests have run. Reported per (policy, concurrency):
 total tokens/s (all new tokens over the wall time) and per-user tokens/s (mean over requests of
-new tokens over that request's latency, queueing included). Policies run side by side in one
-process, interleaved per concurrency level. Every run starts from a reset drafter: a drafter that
-learns from the requests it served (the n-gram drafter's history) would otherwise draft the same
-prompts from their answers in an earlier run.
+new tokens over that request's latency). At each concurrency the policies run at the same time in
+one process, each with its own engine, drafter and clients, taking one engine step each in turn;
+each is timed on its own steps only. A shared machine drifts by more than the policies differ
+(repeated runs of one policy, one after another, differed by 13 %), and in turn every policy meets
+the same drift. Every run starts from a reset drafter: a drafter that learns from the requests it
+served (the n-gram drafter's history) would otherwise draft the same prompts from their answers in
+an earlier run.
 """
 
 from __future__ import annotations
@@ -33,36 +36,71 @@ def _policy(name: str, block: int, cost_table=None):
     return make_policy(name[:-len("-padded")] if padded else name, block, cost_table=cost_table), padded
 
 
-def run_closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
-                    max_new_tokens: int, params: SamplingParams, block_size: int,
-                    padded: bool = False, label: str | None = None, cost_table=None) -> dict:
+def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
+                max_new_tokens: int, params: SamplingParams, block_size: int,
+                padded: bool = False, label: str | None = None, cost_table=None):
+    """One policy's closed loop as a generator: it yields after every engine step and returns its
+    result. Its clock counts only its own work (admissions, steps, collecting finished requests),
+    so that loops advanced in turn (`interleave`) each see the time they used; a request's latency
+    is the loop's clock from its admission to its end."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 2
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
                     block_size=block_size, eos_ids=target.eos_token_ids, padded=padded,
                     cost_table=cost_table)
     drafter.reset()
     queue = list(prompts)
-    live, done = [], []
-    t0 = time.perf_counter()
+    live, latency, clock = [], [], 0.0   # live: (request, clock at admission)
+    tokens = rounds = drafted = accepted = 0
     while queue or live:
+        t0 = time.perf_counter()
         while queue and len(live) < concurrency:
-            live.append(engine.add_request(queue.pop(0), params, max_new_tokens))
+            live.append((engine.add_request(queue.pop(0), params, max_new_tokens), None))
         engine.step()
+        now = clock + time.perf_counter() - t0
         still = []
-        for r in live:
-            (done if r.done else still).append(r)
+        for r, start in live:
+            start = clock if start is None else start
+            if not r.done:
+                still.append((r, start))
+                continue
+            tokens += len(r.output_ids)
+            rounds += r.stats.num_rounds
+            drafted += r.stats.num_draft_tokens
+            accepted += r.stats.num_accepted_tokens
+            latency.append((len(r.output_ids), now - start))
         live = still
-    wall = time.perf_counter() - t0
-    tokens = sum(len(r.output_ids) for r in done)
-    per_user = sum(len(r.output_ids) / r.stats.seconds for r in done if r.stats.seconds > 0) / len(done)
-    drafted = sum(r.stats.num_draft_tokens for r in done)
-    accepted = sum(r.stats.num_accepted_tokens for r in done)
-    rounds = sum(r.stats.num_rounds for r in done)
-    return _with_rates({"policy": label or policy.name, "concurrency": concurrency, "requests": len(done),
-                        "tokens": tokens, "wall_seconds": wall, "rounds": rounds,
+        clock = now
+        yield
+    per_user = sum(n / s for n, s in latency if s > 0) / len(latency)
+    return _with_rates({"policy": label or policy.name, "concurrency": concurrency, "requests": len(latency),
+                        "tokens": tokens, "wall_seconds": clock, "rounds": rounds,
                         "step_seconds": engine.step_seconds, "decision_seconds": engine.policy_seconds,
                         "per_user_tokens_per_second": per_user, "engine_steps": engine.num_steps,
                         "num_draft_tokens": drafted, "num_accepted_tokens": accepted})
+
+
+def interleave(loops: list) -> list[dict]:
+    """Advance closed loops one engine step each in turn (the first to go rotates every round)
+    until all have ended; their results in the given order. A shared machine drifts by more than
+    the policies differ: in turn, every policy runs through the same slow and fast spells."""
+    results: list = [None] * len(loops)
+    live = list(range(len(loops)))
+    turn = 0
+    while live:
+        order = live[turn % len(live):] + live[:turn % len(live)]
+        turn += 1
+        for i in order:
+            try:
+                next(loops[i])
+            except StopIteration as end:
+                results[i] = end.value
+                live.remove(i)
+    return results
+
+
+def run_closed_loop(*args, **kwargs) -> dict:
+    """One policy's closed loop run alone to its end (`closed_loop`'s arguments)."""
+    return interleave([closed_loop(*args, **kwargs)])[0]
 
 
 def _with_rates(out: dict) -> dict:
@@ -93,7 +131,9 @@ def run_concurrency_bench(args) -> int:
     for p in policies:
         _policy(p, args.block)  # validate names before loading anything
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = load_drafter(args.drafter, target, block_size=args.block)
+    # one drafter per policy: the policies' loops run in turn, and a drafter holds its requests' state
+    drafters = {name: load_drafter(args.drafter, target, block_size=args.block) for name in policies}
+    drafter = drafters[policies[0]]
     block = args.block or drafter.block_size
     # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
     cost_table = CostTable.find(table_key_for(target, drafter))
@@ -108,13 +148,14 @@ def run_concurrency_bench(args) -> int:
     results = []
     for c in levels:
         runs: dict[str, list] = {name: [] for name in policies}
-        for rep in range(args.repeats):
-            # a shared machine drifts: every repeat runs the policies in the reverse order of the
-            # previous one, so that a slow spell does not land on the same policies every time
-            for name in (policies if rep % 2 == 0 else policies[::-1]):
+        for _ in range(args.repeats):
+            loops = []
+            for name in policies:
                 policy, padded = _policy(name, block, cost_table)
-                runs[name].append(run_closed_loop(target, drafter, policy, prompts, c, args.max_new_tokens,
-                                                  params, block, padded=padded, label=name, cost_table=cost_table))
+                loops.append(closed_loop(target, drafters[name], policy, prompts, c, args.max_new_tokens,
+                                         params, block, padded=padded, label=name, cost_table=cost_table))
+            for name, res in zip(policies, interleave(loops)):
+                runs[name].append(res)
         for name in policies:
             res = combine_runs(runs[name])
             results.append(res)
