@@ -82,15 +82,21 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
             for v in verified:
                 engine.policy = FixedPolicy(v)
                 engine.step()  # warm-up at this shape
-                times, drafting = [], []
-                for _ in range(repeats):
+            # the verified lengths in turn, one step each per repeat: a slow spell of the machine
+            # (it drifts by more than a verified token costs) then lands on every length alike
+            times = {v: [] for v in verified}
+            drafting = {v: [] for v in verified}
+            for _ in range(repeats):
+                for v in verified:
+                    engine.policy = FixedPolicy(v)
                     exact.seconds = 0.0
                     t = time.perf_counter()
                     engine.step()
-                    times.append(time.perf_counter() - t)
-                    drafting.append(exact.seconds)
-                row.append(statistics.median(times))
-                draft_row.append(statistics.median(drafting) if v else 0.0)
+                    times[v].append(time.perf_counter() - t)
+                    drafting[v].append(exact.seconds)
+            for v in verified:
+                row.append(statistics.median(times[v]))
+                draft_row.append(statistics.median(drafting[v]) if v else 0.0)
                 if progress:
                     progress(ctx_len, R, v, row[-1])
             for r in reqs:
