@@ -17,9 +17,9 @@ Two scores, one per mode:
 Runs are resumable (rerun the same command: finished runs are read, cut ones resume from their
 checkpoints) and ``--parallel N`` runs N at once with 2 / N threads each (``--threads`` to set it).
 
-    .venv/bin/python scripts/lr_sweep.py --work <work> --out <folder> --recipes dspark,dflash \
+    .venv/bin/python scripts/lr_sweep.py --work <work> --out <folder> --recipes dspark,dflash \\
         --lrs 1e-3,2e-3 --heldout <work>/prompts/heldout.jsonl --epochs 4 --batch-size 8 --anchors 64
-    .venv/bin/python scripts/lr_sweep.py --work <work> --out <folder> --recipes dspark,dflash,dflash-5,eagle3,dspark-rnn \
+    .venv/bin/python scripts/lr_sweep.py --work <work> --out <folder> --recipes dspark,dflash,dflash-5,eagle3,dspark-rnn \\
         --lrs 1e-3,2e-3,4e-3 --steps 80 --epochs 1.5 --batch-size 8 --anchors 64 --parallel 2
 """
 
@@ -78,7 +78,7 @@ def score_by_loss(a, runs) -> list[dict]:
     return rows
 
 
-def score_by_heldout_tau(a, runs, threads: int) -> list[dict]:
+def score_by_heldout_tau(a, runs) -> list[dict]:
     dev = Path(a.out) / "dev.jsonl"
     n = dev_set(Path(a.heldout), a.per_domain, dev)
     cmd = [sys.executable, "-m", "dspark.cli", "eval", "--drafters", ",".join(str(x[2]) for x in runs),
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (default: 2 / --parallel)")
     a = ap.parse_args()
+    if a.heldout and not Path(a.heldout).is_file():
+        ap.error(f"--heldout {a.heldout}: no such file (dspark prepare writes <work>/prompts/heldout.jsonl)")
     recipes = [r for r in a.recipes.split(",") if r]
     lrs = [x for x in a.lrs.split(",") if x]
     out = Path(a.out)
@@ -116,16 +118,17 @@ def main() -> None:
     threads = a.threads or max(1, 2 // a.parallel)
     train_all(a, runs, threads)
     if a.heldout:
-        rows, key, head = score_by_heldout_tau(a, runs, threads), "tau", "held-out tau"
+        rows, key, head = score_by_heldout_tau(a, runs), "tau", "held-out tau"
         best_of = lambda mine: max(mine, key=lambda x: x["tau"])  # noqa: E731
     else:
         rows, key, head = score_by_loss(a, runs), "loss", f"loss (last {a.window} of {a.steps} steps)"
+        # a run without steps never wins
         best_of = lambda mine: min(mine, key=lambda x: (math.isnan(x["loss"]), x["loss"]))  # noqa: E731
     print(f"| recipe | lr | {head} | best |")
     print("|---|---|---|---|")
     for r in recipes:
         mine = [x for x in rows if x["recipe"] == r]
-        best = best_of(mine)   # a run without steps never wins
+        best = best_of(mine)
         for x in mine:
             print(f"| {r} | {x['lr']:g} | {x[key]:.4f} | {'yes' if x is best else ''} |")
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in x.items()} for x in rows]

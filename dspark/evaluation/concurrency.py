@@ -54,12 +54,11 @@ def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: 
     while queue or live:
         t0 = time.perf_counter()
         while queue and len(live) < concurrency:
-            live.append((engine.add_request(queue.pop(0), params, max_new_tokens), None))
+            live.append((engine.add_request(queue.pop(0), params, max_new_tokens), clock))
         engine.step()
         now = clock + time.perf_counter() - t0
         still = []
         for r, start in live:
-            start = clock if start is None else start
             if not r.done:
                 still.append((r, start))
                 continue
