@@ -1,18 +1,36 @@
 """Time of one target forward over a ragged batch: R requests with C cached tokens each, N new
 tokens per request (N = 1: decoding rows; N > 1: verification blocks), logits for every row.
 
-Compares runtime versions: run it from two checkouts in turn, with PYTHONPATH pointing at each,
-a few times alternately (the machine drifts), e.g.
+``--against DIR`` compares this checkout's runtime with another checkout's (DIR holds its
+``dspark`` package, e.g. a git worktree) in ONE process: both decoders load the same target and
+run each shape alternately, call by call, so that the machine's drift lands on both alike (runs of
+one version after the other drifted by 10 % here). Reports medians and the ratio other / this.
 
-    for d in old new old new; do PYTHONPATH=$d .venv/bin/python scripts/forward_time.py; done
+    .venv/bin/python scripts/forward_time.py --against /work/dev
 """
 
 import argparse
+import importlib
+import shutil
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from dspark.runtime.loading import load_target
+
+
+def load_other(checkout: Path, dtype: str):
+    """The target loaded by another checkout's package, imported under another name."""
+    src = checkout / "dspark"
+    if not (src / "runtime" / "model.py").is_file():
+        raise SystemExit(f"--against {checkout}: no dspark/runtime/model.py there")
+    tmp = Path(tempfile.mkdtemp(prefix="dspark_other_"))
+    shutil.copytree(src, tmp / "dspark_other", ignore=shutil.ignore_patterns("__pycache__", "checkpoints"))
+    sys.path.insert(0, str(tmp))
+    return importlib.import_module("dspark_other.runtime.loading").load_target(dtype=dtype).model
 
 
 def main():
@@ -22,27 +40,38 @@ def main():
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", type=Path, help="another checkout whose runtime runs alternately with this one")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_target(dtype=args.dtype).model
+    models = {"this": load_target(dtype=args.dtype).model}
+    if args.against:
+        models["other"] = load_other(args.against, args.dtype)
     g = torch.Generator().manual_seed(0)
     out = []
     for shape in args.shapes.split(","):
         r, n = (int(x) for x in shape.split("x"))
-        cache = model.new_cache(r, args.context + n + 1)
-        slots = [cache.allocate() for _ in range(r)]
-        for s in slots:
-            model(torch.randint(0, 1000, (args.context,), generator=g), [(s, args.context)], cache, logits_rows=None)
+        ctx_ids = torch.randint(0, 1000, (args.context,), generator=g)
         ids = torch.randint(0, 1000, (r * n,), generator=g)
-        times = []
-        for i in range(args.repeats + 1):   # the first call warms up and is not counted
-            t0 = time.perf_counter()
-            model(ids, [(s, n) for s in slots], cache, logits_rows="all")
-            if i:
-                times.append(time.perf_counter() - t0)
+        runs = {}
+        for name, model in models.items():
+            cache = model.new_cache(r, args.context + n + 1)
+            slots = [cache.allocate() for _ in range(r)]
             for s in slots:
-                cache.truncate(s, args.context)
-        out.append(f"{r}x{n}: {1000 * sorted(times)[len(times) // 2]:.1f} ms")
+                model(ctx_ids, [(s, args.context)], cache, logits_rows=None)
+            runs[name] = (model, cache, slots, [])
+        for i in range(args.repeats + 1):   # the first call warms up and is not counted
+            for model, cache, slots, times in runs.values():
+                t0 = time.perf_counter()
+                model(ids, [(s, n) for s in slots], cache, logits_rows="all")
+                if i:
+                    times.append(time.perf_counter() - t0)
+                for s in slots:
+                    cache.truncate(s, args.context)
+        med = {name: sorted(v[3])[len(v[3]) // 2] for name, v in runs.items()}
+        cell = f"{r}x{n}: {1000 * med['this']:.1f} ms"
+        if "other" in med:
+            cell += f" / other {1000 * med['other']:.1f} ms ({med['other'] / med['this']:.3f})"
+        out.append(cell)
     print(", ".join(out))
 
 

@@ -2,8 +2,9 @@
 which the policy drafted (the drafter's call, the target's forward, tokens verified and emitted,
 and the survivals the policy expected to be accepted), beside the cost table's price of each step.
 
-Closed-loop clients as in `dspark bench concurrency` (temperature 1, 64 new tokens each); only
-steady steps count (every slot decoding, nobody prefilling). Timings come from wrapping the
+Closed-loop clients as in `dspark bench concurrency` (temperature 1, 64 new tokens each). First the
+whole run by phase (steady: every slot decoding; prefill: some request prefilling; tail: slots
+empty, nobody waiting), then the steady steps alone. Timings come from wrapping the
 drafter's `propose` and the target's forward of the one engine the policy runs on.
 
     .venv/bin/python scripts/step_breakdown.py --drafter dspark --concurrency 16 --policies plain,prefix,async
@@ -62,16 +63,19 @@ def run(target, drafter, table, policy_name, prompts, C, new_tokens):
         while queue or live:
             while queue and len(live) < C:
                 live.append(engine.add_request(queue.pop(0), params, new_tokens))
+            engine._admit()
             steady = len(engine.running) == C and not engine.waiting and all(r.ctx for r in engine.running)
+            prefilling = any(r.ctx is None for r in engine.running)
+            phase = "steady" if steady else "prefill" if prefilling else "tail"
             ctx = sum(len(r.ctx.tokens) for r in engine.running if r.ctx) // max(1, len(engine.running))
+            decoding = sum(1 for r in engine.running if r.ctx)
             before = sum(len(r.output_ids) for r in live)
             cur.update(draft=0.0, forward=0.0, drafting=0, expected=0.0, verified=0)
             t = time.perf_counter()
             engine.step()
             cur["seconds"] = time.perf_counter() - t
             cur["emitted"] = sum(len(r.output_ids) for r in live) - before
-            if steady:
-                steps.append(dict(cur, context=ctx))
+            steps.append(dict(cur, context=ctx, phase=phase, decoding=decoding))
             live = [r for r in live if not r.done]
     finally:
         del drafter.propose
@@ -79,7 +83,24 @@ def run(target, drafter, table, policy_name, prompts, C, new_tokens):
     return steps
 
 
+def report_phases(name, steps):
+    """Every step of the run by phase: where a policy's wall time and tokens went."""
+    total = sum(s["seconds"] for s in steps)
+    tokens = sum(s["emitted"] for s in steps)
+    print(f"{name:7s} whole run: {len(steps)} steps, {total:.2f} s, {tokens} tokens, {tokens / total:.1f} tok/s")
+    for phase in ("steady", "prefill", "tail"):
+        rows = [s for s in steps if s["phase"] == phase]
+        if not rows:
+            continue
+        sec = sum(s["seconds"] for s in rows)
+        print(f"{name:7s}   {phase:8s} {len(rows):4d} steps ({sum(1 for s in rows if s['drafting'])} drafting), "
+              f"{sec:6.2f} s, {sum(s['emitted'] for s in rows):5d} tokens, "
+              f"drafter {sum(s['draft'] for s in rows):.2f} s, decoding rows {sum(s['decoding'] for s in rows) / len(rows):.1f}")
+
+
 def report(name, steps, table, C):
+    report_phases(name, steps)
+    steps = [s for s in steps if s["phase"] == "steady"]
     for label, rows in (("plain steps", [s for s in steps if not s["drafting"]]),
                         ("drafting steps", [s for s in steps if s["drafting"]])):
         if not rows:

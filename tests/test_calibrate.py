@@ -144,3 +144,16 @@ def test_collect_refuses_a_drafter_without_confidence_head():
     drafter = DSparkDrafter(tiny_drafter_model(target, "dflash", "none"), target)
     with pytest.raises(UsageError, match="no confidence head"):
         cal.collect(as_target(target), drafter, [[1, 2]], ["a"], blocks=5)
+
+
+def test_ece_floor_is_the_ece_of_perfect_calibration_and_shrinks_with_the_sample():
+    rng = np.random.default_rng(4)
+    pred = rng.uniform(0.1, 0.6, 4000)
+    floor = cal.ece_floor(pred)
+    # against outcomes truly drawn from pred, the measured ECE scatters around the floor
+    seen = [cal.ece(pred, (rng.random(len(pred)) < pred).astype(float)) for _ in range(100)]
+    assert floor == pytest.approx(np.mean(seen), rel=0.1)
+    # a quarter of the events: about twice the floor (sampling noise ~ 1 / sqrt(n))
+    assert 1.6 < cal.ece_floor(pred[:1000]) / floor < 2.4
+    # confidences of 0 or 1 leave no room for noise
+    assert cal.ece_floor(np.array([0.0, 1.0, 1.0])) == 0.0

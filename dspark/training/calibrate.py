@@ -169,6 +169,22 @@ def auroc(pred: np.ndarray, y: np.ndarray) -> float:
     return float((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
+def ece_floor(pred: np.ndarray, bins: int = 20, draws: int = 200, seed: int = 0) -> float:
+    """The ECE a perfectly calibrated predictor shows on this many events: the mean ECE of
+    ``pred`` against outcomes drawn from ``pred`` itself (seeded). Finite samples put a floor
+    under any measured ECE (about 1.7 % for 5,000 events near 0.3 with 20 bins): a measured ECE
+    near its floor is within noise of perfect calibration."""
+    if len(pred) == 0:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    draws_y = (rng.random((draws, len(pred))) < pred[None]).astype(np.float64)
+    idx = np.minimum((pred * bins).astype(int), bins - 1)
+    count = np.bincount(idx, minlength=bins)
+    want = np.bincount(idx, weights=pred, minlength=bins)
+    got = np.stack([np.bincount(idx, weights=y, minlength=bins) for y in draws_y])
+    return float((np.abs(got - want[None]).sum(1) / count.sum()).mean())
+
+
 def brier(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean((pred - y) ** 2)) if len(pred) else float("nan")
 
@@ -251,7 +267,7 @@ def report(ro: Rollouts, temps, bins: int = 20, shifts=None) -> list[dict]:
         b, a = before[rows, k], after[rows, k]
         out.append({"position": k + 1, "blocks": int(rows.sum()), "survival": float(y.mean()) if len(y) else 0.0,
                     "temperature": float(temps[k]), "shift": float(shifts[k]) if shifts is not None else 0.0,
-                    "ece_before": ece(b, y, bins), "ece_after": ece(a, y, bins),
+                    "ece_before": ece(b, y, bins), "ece_after": ece(a, y, bins), "ece_floor": ece_floor(a, bins),
                     "auroc_before": auroc(b, y), "auroc_after": auroc(a, y),
                     "brier_before": brier(b, y), "brier_after": brier(a, y)})
     return out
@@ -334,12 +350,13 @@ def markdown(rep: list[dict]) -> str:
 
     def f3(x):
         return "-" if x != x else f"{x:.3f}"
-    lines = ["| position | blocks | survival | T | shift | ECE before | ECE after | AUROC before | AUROC after | "
-             "Brier before | Brier after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| position | blocks | survival | T | shift | ECE before | ECE after | ECE floor | AUROC before | "
+             "AUROC after | Brier before | Brier after |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep:
         lines.append(f"| {r['position']} | {r['blocks']} | {r['survival']:.3f} | {r['temperature']:.2f} | "
                      f"{r.get('shift', 0.0):+.2f} | "
-                     f"{pct(r['ece_before'])} | {pct(r['ece_after'])} | {f3(r['auroc_before'])} | "
+                     f"{pct(r['ece_before'])} | {pct(r['ece_after'])} | {pct(r.get('ece_floor', float('nan')))} | "
+                     f"{f3(r['auroc_before'])} | "
                      f"{f3(r['auroc_after'])} | {f3(r['brier_before'])} | {f3(r['brier_after'])} |")
     return "\n".join(lines)
 
