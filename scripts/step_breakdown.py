@@ -106,7 +106,7 @@ def report(name, steps, table, C):
         if not rows:
             continue
         n = len(rows)
-        mean = {k: sum(s[k] for s in rows) / n for k in rows[0]}
+        mean = {k: sum(s[k] for s in rows) / n for k in rows[0] if k != "phase"}
         price = sum(table.target_seconds(C, s["verified"] / C, s["context"])
                     + table.drafter_seconds(s["drafting"], max(1.0, s["verified"] / max(1, s["drafting"])),
                                             s["context"]) for s in rows) / n

@@ -81,7 +81,7 @@ class _Spy:
 def _requests(n: int):
     """Stand-ins for n decoding requests with nothing drafted yet (what the policies read of them)."""
     from types import SimpleNamespace
-    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}), stats=SimpleNamespace(
+    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}, features=[]), stats=SimpleNamespace(
         accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(n)]
 
 
@@ -176,7 +176,7 @@ def test_probes_cost_at_most_their_budget(name):
     first = probe_steps(100, 1.25)           # probes as dear as the table says
     assert first[:4] == [24, 49, 74, 99]
     probe_steps(1500, 1.5)                   # twice as dear: the cost model learns it
-    assert pol.cost.extra_scale > 1.7 and pol.probe_gap(reqs) >= 43
+    assert pol.probe_scale > 1.7 and pol.probe_gap(reqs) >= 43
 
 
 def test_prefix_drafts_only_as_deep_as_the_profile_pays():
@@ -293,16 +293,51 @@ def test_cost_model_learns_what_steps_really_cost():
         wants.append(sum(want))
     assert wants[0] >= 8                                 # drafted on the table's word
     assert all(w <= 1 for w in wants[-16:])              # then only the one-token probes
-    assert pol.cost.extra_scale > 2        # learning goes on with the probes
+    assert pol.cost.extra_scale > 2        # learnt from the drafting steps (probes are priced apart)
     cm = CostModel(table)
     for _ in range(100):
         cm.expect(8, 0, 8, 0, 0)
         cm.observe(2.8)
-    assert abs(cm.base_scale - 2.0) < 0.05 and cm.seconds(8, 0, 8, 0) == pytest.approx(2.8, rel=0.03)
+    assert abs(cm.pace - 2.0) < 0.05 and cm.seconds(8, 0, 8, 0) == pytest.approx(2.8, rel=0.03)
     for _ in range(100):
         cm.expect(8, 8, 8, 8, 1)           # every request drafts and verifies one token: 0.2 s more
         cm.observe(2.8 + 3 * 0.2)
+        if cm.since_plain >= 40:          # a plain step now and then keeps the pace fresh
+            cm.expect(8, 0, 8, 0, 0)
+            cm.observe(2.8)
     assert cm.seconds(8, 8, 8, 8, 1) == pytest.approx(3.4, rel=0.03)
+
+
+def test_a_slow_spell_over_plain_steps_does_not_lock_the_policy_into_drafting():
+    """Plain steps measured during a slow spell (4x the table), then the machine recovers and
+    drafting costs three times what the table says. Compared with the spell's plain steps, drafting
+    steps look nearly free; the old two-factor correction learnt that and, never seeing another plain
+    step, drafted for ever. Now the policy runs a plain reference step among its drafting steps,
+    the spell's plain steps go stale, and it learns the real price and stops drafting."""
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import PrefixPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
+    pol = PrefixPolicy(table, block=3)
+    pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
+    reqs = _requests(8)
+    for _ in range(8):                     # the slow spell, over plain steps
+        pol.cost.expect(8, 0, 8, 0, 0)
+        pol.cost.observe(4 * 1.4)
+    wants = []
+    for _ in range(400):
+        want = pol.draft_lengths(reqs, 3)
+        props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.3] * w)) if w else Proposal.empty()
+                 for w in want]
+        lengths = pol.verify_lengths(reqs, props)
+        n = sum(1 for w in want if w)
+        extra = (table.target_seconds(8, sum(lengths) / 8, 8) - 1.4
+                 + table.drafter_seconds(n, sum(want) / max(1, n), 8))
+        pol.observe_step(1.4 + 3 * extra)
+        wants.append(sum(want))
+    assert wants[0] >= 8 and pol.cost.pace == pytest.approx(1.0)
+    assert 0 in wants[:66]                               # a plain reference step among the drafting ones
+    assert all(w <= 1 for w in wants[-50:])              # then only the one-token probes
 
 
 def test_async_verifies_no_token_whose_survival_does_not_pay_for_its_verification():
@@ -321,3 +356,88 @@ def test_async_verifies_no_token_whose_survival_does_not_pay_for_its_verificatio
     pol.cost.table = None                # every token free: the plain top K
     pol.capacity = 5
     assert sorted(pol.verify_lengths(reqs, props), reverse=True)[:3] == [3, 1, 1]
+
+
+def test_prefix_drafts_when_the_confident_few_pay_for_the_call_and_stops_when_they_are_gone():
+    """Drafting pays through the tokens Algorithm 1 will verify, not the average one: a quarter of
+    recent proposals at a_1 = 0.95 and the rest at 0.02 (mean 0.25) pay for a drafter call (verify
+    those two: 9.9 tokens in 1.7 s against 8 in 1.4 s) where verifying every draft would not (10 in
+    2.0 s). Only recent proposals count: once 64 hopeless ones followed, drafting stops."""
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.confidence import PrefixPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.1, 1.2], [1.4, 2.0, 2.8]]], draft=[[[0, 0.05, 0.05], [0, 0.2, 0.4]]])
+    pol = PrefixPolicy(table, block=3)
+    reqs = _requests(8)
+
+    def step(first):
+        want = pol.draft_lengths(reqs, 3)
+        props = [Proposal(torch.tensor([1]), None, torch.tensor([c])) for c in first]
+        pol.verify_lengths(reqs, props)
+        return want
+
+    step([0.95, 0.95] + [0.02] * 6)
+    assert pol.expected_survivals(1)[0] == pytest.approx(0.2525)
+    assert 8 + 8 * 0.2525 < 8 / 1.4 * 2.0            # verifying every draft would not pay
+    assert min(step([0.95, 0.95] + [0.02] * 6)) >= 1     # the confident two do
+    for _ in range(8):
+        step([0.02] * 8)
+    assert pol._draft_depth(reqs, 3) == 0 and sum(step([0.02] * 8)) <= 1   # a one-token probe at most
+
+
+def test_drafting_prices_the_context_a_request_hands_the_drafter_after_a_pause():
+    """A request that has not drafted for a while hands the drafter every position since, all at
+    its next call (0.01 s a row here): 16 requests x 40 rows pending make drafting dear, though one
+    row each would let it pay. The catch-up goes into the price the cost model checks too."""
+    from dspark.scheduling.confidence import PrefixPolicy
+    table = CostTable("tiny", requests=[1, 16], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]],
+                      context_row=0.01)
+    reqs = _requests(16)
+
+    def wants(rows):
+        pol = PrefixPolicy(table, block=3)
+        pol.profile.hits, pol.profile.tries = [0.5, 0.5, 0.5], [1.0] * 3
+        for r in reqs:
+            r.ctx.features[:] = [torch.zeros(1, 4)] * rows
+            r.ctx.state.clear()
+        return pol, pol.draft_lengths(reqs, 3)
+
+    pol, want = wants(1)
+    assert min(want) >= 1 and pol._rows == 0
+    pol, want = wants(40)
+    assert sum(want) <= 1                               # plain (or a one-token probe)
+    pol.cost.expect(16, 0, 8, 1, 1, rows=16 * 38)
+    assert pol.cost._pending[1] == pytest.approx(table.drafter_seconds(1, 1, 8) + 0.01 * 16 * 38)
+
+
+@pytest.mark.parametrize("name", ["prefix", "async"])
+def test_a_search_that_found_nothing_pays_is_not_repeated_until_what_it_read_changes(name):
+    """Under heavy load nothing pays step after step; the search is skipped while its inputs stand
+    (same requests, no new proposal, same prices) and runs again when one changes."""
+    from dspark.drafters.base import Proposal
+    dear = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.5, 1.8], [1.4, 2.1, 2.5]]], draft=[[[0, 0.3, 0.35], [0, 0.5, 0.6]]])
+    pol = make_policy(name, 3, cost_table=dear)
+    pol.probe_budget = 1e-6                    # no probes in this test
+    pol.profile.hits, pol.profile.tries = [0.1, 0.05, 0.05], [1.0] * 3
+    search = "_draft_depth" if name == "prefix" else "_capacity"
+    inner, calls = getattr(pol, search), []
+    setattr(pol, search, lambda *a: calls.append(1) or inner(*a))
+    reqs = _requests(8)
+
+    def step(reqs, conf=None):
+        want = pol.draft_lengths(reqs, 3)
+        props = [Proposal(torch.tensor([1]), None, torch.tensor([conf])) if conf is not None else Proposal.empty()
+                 for _ in reqs]
+        pol.verify_lengths(reqs, props)
+        return want
+
+    for _ in range(6):
+        assert step(reqs) == [0] * 8
+    assert len(calls) <= 3                      # async: the first steps still read their own history
+    n = len(calls)
+    assert step(reqs[:4]) == [0] * 4 and len(calls) == n + 1      # fewer requests: searched again
+    step(reqs[:4], conf=0.99)                   # nothing changed before it drafts: no search; then
+    assert len(calls) == n + 1                  # new proposals come, confident ones
+    assert max(step(reqs[:4])) > 0 and len(calls) == n + 2           # searched again: drafting pays

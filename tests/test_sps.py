@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import tempfile
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -42,6 +44,7 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     assert again.step_seconds(99, 0, 16) == pytest.approx(table.seconds[0][1][0])
     # the drafter's share of each step was measured too (none in plain steps), and survives the round trip
     assert again.draft == table.draft
+    assert table.context_row == 0.0 == again.context_row      # the n-gram drafter reads no features
     assert all(r[0] == 0 and all(0 < d < s for d, s in zip(r[1:], sr[1:]))
                for c, sc in zip(table.draft, table.seconds) for r, sr in zip(c, sc))
     import json
@@ -75,6 +78,12 @@ def test_profile_runs_drafters_that_read_target_features():
     table = prof.profile(target, drafter, [[1, 2, 3, 4]], requests=(1, 2), verified=(0, 1, 3), contexts=(8,),
                         repeats=1)
     assert all(s > 0 for c in table.seconds for r in c for s in r)
+    # what taking in one context row costs the drafter: a first call after a prefill of 64 tokens
+    # a request against its next calls
+    row = prof.context_row_seconds(target, drafter, [[1, 2, 3, 4]], requests=2, context=64, repeats=1)
+    assert 0 < row < 0.01
+    assert sps.CostTable.load(sps.CostTable(**{**table.to_json(), "context_row": row}).save(
+        Path(tempfile.mkdtemp()) / "t.json")).context_row == row
 
 
 def test_a_drafter_call_is_priced_whole():

@@ -49,6 +49,38 @@ class _ExactLength(Drafter):
         return out
 
 
+def context_row_seconds(target, drafter: Drafter, prompts: list[list[int]], requests: int = 16,
+                        context: int = 256, repeats: int = 3, temperature: float = 1.0) -> float:
+    """Seconds the drafter takes to take in one context row (a verified position's target
+    features) beyond its steady rounds: a request that has not drafted for a while hands the
+    drafter every position since, all at its next call. Measured as the first drafting call after
+    a prefill of ``context`` tokens per request against the calls that follow (a few rows each),
+    per extra row; 0 for drafters that read no target features."""
+    if not drafter.feature_layers:
+        return 0.0
+    params = SamplingParams(temperature=temperature, seed=0)
+    vocab = target.model.config.vocab_size
+    seqs = [(p * (context // max(len(p), 1) + 1))[:context] for p in prompts]
+    per_row = []
+    for _ in range(repeats):
+        exact = _ExactLength(drafter, vocab)
+        engine = Engine(target.model, exact, FixedPolicy(0), max_requests=requests,
+                        max_len=context + 16, block_size=1, prefill_chunk=1 << 30)
+        reqs = [engine.add_request(seqs[i % len(seqs)], params, 8, stop_ids=()) for i in range(requests)]
+        engine.step()                       # prefill; nothing drafted yet
+        engine.policy = FixedPolicy(1)
+        calls = []
+        for _ in range(4):
+            exact.seconds = 0.0
+            engine.step()
+            calls.append(exact.seconds)
+        steady = statistics.median(calls[1:])
+        per_row.append(max(0.0, calls[0] - steady) / (requests * context))
+        for r in reqs:
+            engine.cancel(r)
+    return statistics.median(per_row)
+
+
 def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 4, 8, 16, 32),
             verified=(0, 1, 2, 3, 5, 7), contexts=(128, 512), repeats: int = 5, progress=None,
             temperature: float = 1.0) -> CostTable:
@@ -105,8 +137,11 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
             draft_ctx.append(draft_row)
         grid.append(per_ctx)
         draft_grid.append(draft_ctx)
+    row = context_row_seconds(target, drafter, prompts, requests=min(16, max(requests)),
+                              context=min(256, max(contexts)), temperature=temperature)
     return CostTable(table_key_for(target, drafter), list(requests), list(verified), list(contexts), grid,
-                     machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads", draft=draft_grid)
+                     machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads", draft=draft_grid,
+                     context_row=row)
 
 
 def plot(table: CostTable, path) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
+
 from ..errors import UsageError
 from .policies import Policy
 from .sps import CostModel
@@ -136,6 +138,18 @@ def _drafted(proposals) -> tuple[int, float]:
     return len(lengths), sum(lengths) / max(1, len(lengths))
 
 
+def _backlog(r, depth: int) -> int:
+    """Context rows request r would hand the drafter at its next call beyond a steady round's (the
+    anchor and ``depth`` drafts): the positions verified since it last drafted."""
+    feats, st = r.ctx.features, r.ctx.state
+    seen, rows = st.get("_backlog", (0, 0))
+    if len(feats) < seen:          # the drafter took them in: count afresh
+        seen, rows = 0, 0
+    rows += sum(f.shape[0] for f in feats[seen:])
+    st["_backlog"] = (len(feats), rows)
+    return max(0, rows - 1 - depth)
+
+
 def _context(requests) -> int:
     return int(sum(len(r.ctx.tokens) for r in requests) / max(1, len(requests)))
 
@@ -178,19 +192,27 @@ class _ProfiledPolicy(Policy):
     keeps learning: at least ``probe_every`` steps apart, and further apart when a probe's price
     (the cost model's, corrected by the steps that ran) exceeds ``probe_budget`` of the plain
     steps between two probes (a probe pays a whole drafter call, and with it the request's context
-    features since it last drafted)."""
+    features since it last drafted). The converse: while drafting pays, one step in
+    ``reference_every + 1`` runs plain, so that the cost model keeps comparing drafting steps with
+    plain steps of the same minutes (see CostModel)."""
 
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
-                 probe_budget: float = 0.01):
+                 probe_budget: float = 0.01, reference_every: int = 64, recent: int = 64):
         self.cost = CostModel(cost_table)
         self.block = block
         self.profile = _Profile(block or 7)
         self.probe_every = probe_every
         self.probe_budget = probe_budget
+        self.reference_every = reference_every
         self._idle = 0          # steps since the last probe, while drafting does not pay
         self._probes = 0        # probes so far (whose turn is next)
         self._probed = None     # index of the request probed this step, or None
-        self._mean: list = []   # per position: EMA over proposals of the calibrated prefix survival
+        self._recent: deque = deque(maxlen=recent)   # survival rows a_1..a_l of recent proposals
+        self.probe_scale = 1.0                        # a probe's measured / table drafting part
+        self._rows = 0                                # catch-up rows of this step's drafting requests
+        self._version = 0                             # proposals seen (what the searches read)
+        self._no_key = self._key = None               # see _unchanged_since_no
+        self._probe_m = [0.0, 0.0]
 
     def _refresh(self, requests, block_size) -> int:
         cap = self.block or block_size
@@ -200,43 +222,77 @@ class _ProfiledPolicy(Policy):
         self._probed = None
         return cap
 
-    def _note_proposals(self, proposals, survivals, beta: float = 0.05) -> None:
-        """Track E[a_k] over ALL drafted blocks from their calibrated confidences (``survivals``:
-        each proposal's a_1..a_l). The acceptance observed on verified tokens overstates what a
-        fresh draft returns when the policy verifies only the confident ones; calibrated survivals
-        of every proposal do not."""
-        rows = [a for p, a in zip(proposals, survivals) if len(p) and p.confidences is not None]
-        for k in range(max((len(r) for r in rows), default=0)):
-            vals = [r[k] for r in rows if len(r) > k]
-            m = sum(vals) / len(vals)
-            if k < len(self._mean):
-                self._mean[k] = (1 - beta) * self._mean[k] + beta * m
-            else:
-                self._mean.append(m)
+    def _note_proposals(self, proposals, survivals) -> None:
+        """Keep the calibrated survivals of ALL recent drafted blocks (``survivals``: each proposal's
+        a_1..a_l). The acceptance observed on verified tokens overstates what a fresh draft returns
+        when the policy verifies only the confident ones; calibrated survivals of every proposal do
+        not. Recent ones only: the first tokens of an answer draft far better than the rest, and
+        what a batch of fresh requests promised says little about them twenty steps on."""
+        self._recent.extend(a for p, a in zip(proposals, survivals) if len(p) and p.confidences is not None)
+        if any(len(p) for p in proposals):
+            self._version += 1
+
+    def _unchanged_since_no(self, requests) -> bool:
+        """Whether the last search found that nothing pays and nothing it read has changed since:
+        the same number of requests, no new proposal (survivals, profile), the same drafting price
+        and context column of the table. The requests' catch-up backlogs only grow meanwhile, which
+        can only make drafting dearer, so the answer stands; the search is skipped (it is most of a
+        policy's decision time, and under heavy load nothing pays step after step)."""
+        key = (len(requests), self._version, self.cost.extra_scale, self.cost.context_index(_context(requests)))
+        if key == self._no_key:
+            return True
+        self._key = key
+        return False
+
+    def _found(self, drafting_pays: bool) -> None:
+        self._no_key = None if drafting_pays else self._key
+
+    def _pools(self, cap: int) -> list[np.ndarray]:
+        """Per position k: the survivals a_k of the recent proposals that reached k, or (none did,
+        or a drafter without confidences) the observed profile's survival, as one value."""
+        prof = self.profile.survivals(cap)
+        return [np.array([r[k] for r in self._recent if len(r) > k] or [prof[k]]) for k in range(cap)]
 
     def expected_survivals(self, cap: int) -> list[float]:
-        """E[a_1..a_cap] of a fresh draft: tracked means where proposals have reached that deep,
-        else the observed profile (drafters without confidences)."""
-        prof = self.profile.survivals(cap)
+        """E[a_1..a_cap] of a fresh draft, from ``_pools``."""
         out = []
-        for k in range(len(prof)):
-            a = self._mean[k] if k < len(self._mean) else prof[k]
+        for pool in self._pools(cap):
+            a = float(pool.mean())
             out.append(min(a, out[-1]) if out else a)
         return out
 
     def observe_step(self, seconds: float) -> None:
-        self.cost.observe(seconds)
+        """Probes are priced apart: a probe's drafter call also takes in the request's context since
+        it last drafted, and its one verified token makes the step ragged; both cost far more, per
+        token, than the table's uniform rows say (2 - 3x on the AMD EPYC VM at 16 requests)."""
+        got = self.cost.observe(seconds, learn=self._probed is None)
+        if got is not None and self._probed is not None:
+            m, b = self._probe_m, 0.2
+            if not m[1]:
+                m[0] = m[1] = got[1]
+            m[0], m[1] = (1 - b) * m[0] + b * got[0], (1 - b) * m[1] + b * got[1]
+            self.probe_scale = min(8.0, max(0.25, m[0] / m[1]))
 
     def _expect(self, requests, lengths, drafting: int, depth: float) -> None:
-        self.cost.expect(len(requests), sum(lengths), _context(requests), drafting, depth)
+        self.cost.expect(len(requests), sum(lengths), _context(requests), drafting, depth, self._rows)
+
+    def _drafting(self, requests, want: list[int]) -> list[int]:
+        """Note the catch-up rows of the requests about to draft (priced with the step); returns want."""
+        self._rows = sum(_backlog(r, w) for r, w in zip(requests, want) if w)
+        return want
 
     def probe_gap(self, requests) -> int:
         """Plain steps between two probes: ``probe_every``, or more while a probe would cost more
         than ``probe_budget`` of them."""
+        if self.cost.table is None:
+            return self.probe_every
         R, ctx = len(requests), _context(requests)
-        plain = self.cost.seconds(R, 0, ctx, 0)
-        extra = self.cost.seconds(R, 1, ctx, 1, 1.0) - plain
-        return max(self.probe_every, math.ceil(extra / (self.probe_budget * plain)))
+        base, more = self.cost.parts(R, 1, ctx, 1, 1.0, _backlog(requests[self._probes % R], 1) if R else 0)
+        return max(self.probe_every, math.ceil(more * self.probe_scale / (self.probe_budget * base)))
+
+    def _reference_due(self) -> bool:
+        """Drafting pays, but the cost model has gone ``reference_every`` steps without a plain one."""
+        return self.cost.since_plain >= self.reference_every
 
     def _probe(self, requests) -> list[int]:
         """No drafting pays: now and then one request, in turn, drafts one token."""
@@ -266,25 +322,42 @@ class PrefixPolicy(_ProfiledPolicy):
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        depth = self._draft_depth(requests, cap)
+        depth = 0
+        if not self._unchanged_since_no(requests):
+            depth = self._draft_depth(requests, cap)
+            self._found(depth > 0)
         if not depth:
-            return self._probe(requests)
+            return self._drafting(requests, self._probe(requests))
         self._idle = 0
-        return [min(depth, r.ctx.state.get("_last_verified", depth - 1) + 2) for r in requests]
+        if self._reference_due():
+            return self._drafting(requests, [0] * len(requests))
+        return self._drafting(requests, [min(depth, r.ctx.state.get("_last_verified", depth - 1) + 2)
+                                         for r in requests])
 
     def _draft_depth(self, requests, cap: int) -> int:
-        """How deep drafting can pay this step: the depth d maximising expected tokens per second if
-        every request drafted and verified d tokens, with survivals from the observed profile (past
-        steps only) and the cost table (which prices drafting and verifying d tokens together).
-        Drafting beyond it costs more than Algorithm 1 could ever verify profitably on average."""
+        """How deep drafting can pay this step: the depth d maximising the expected tokens per second
+        of drafting d tokens for every request and then verifying, as Algorithm 1 would, the most
+        likely of them, against plain decoding. The survivals the R requests will show are taken to
+        be distributed as those of the recent proposals (``_pools``, past steps only): each
+        position's pool stands for R candidates, so verifying the candidates down to a survival
+        lambda verifies R x (the pool's share above lambda) tokens and returns R x (their mean
+        survival x that share); every lambda is tried. Drafting is priced by the cost table for
+        all R requests at depth d, verification by the tokens verified."""
         R = len(requests)
         ctx = _context(requests)
-        best_d, best, tau = 0, 1.0 / self.cost.seconds(R, 0, ctx), 1.0
-        for d, a in enumerate(self.expected_survivals(cap), 1):
-            tau += a
-            theta = tau / self.cost.seconds(R, R * d, ctx)
-            if theta > best:
-                best, best_d = theta, d
+        best_d, best = 0, R / self.cost.seconds(R, 0, ctx, 0)
+        pools = self._pools(cap)
+        backlog = [_backlog(r, 0) for r in requests]
+        for d in range(1, cap + 1):
+            vals = np.concatenate(pools[:d])
+            weights = np.concatenate([np.full(len(p), R / len(p)) for p in pools[:d]])
+            order = np.argsort(-vals, kind="stable")
+            extra = np.cumsum(weights[order])
+            tau = R + np.cumsum((vals * weights)[order])
+            theta = tau / self.cost.seconds_many(R, extra, ctx, d, sum(max(0, b - d) for b in backlog))
+            i = int(np.argmax(theta))
+            if theta[i] > best:
+                best, best_d = float(theta[i]), d
         return best_d
 
     def verify_lengths(self, requests, proposals):
@@ -300,7 +373,8 @@ class PrefixPolicy(_ProfiledPolicy):
             # the drafter's call is paid already: a longer verification costs only the target's part
             ctx = _context(requests)
             R = len(requests)
-            lengths = prefix_schedule(surv, lambda B: 1.0 / self.cost.seconds(R, B - R, ctx, drafting, depth))
+            lengths = prefix_schedule(surv, lambda B: 1.0 / self.cost.seconds(R, B - R, ctx, drafting, depth,
+                                                                              self._rows))
         for r, p, n in zip(requests, proposals, lengths):
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 r.ctx.state["_last_verified"] = n
@@ -319,21 +393,29 @@ class AsyncPolicy(_ProfiledPolicy):
     name = "async"
 
     def __init__(self, cost_table=None, block: int | None = None, lag: int = 2, probe_every: int = 8,
-                 probe_budget: float = 0.01):
-        super().__init__(cost_table, block, probe_every, probe_budget)
+                 probe_budget: float = 0.01, reference_every: int = 64):
+        super().__init__(cost_table, block, probe_every, probe_budget, reference_every)
         self.history: deque = deque(maxlen=lag)
         self.capacity = 0
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
-        self.capacity, share = self._capacity(requests, cap)
+        stale = self.history[0] if len(self.history) == self.history.maxlen else {}
+        held = any(stale.get(r.id) for r in requests)   # the search reads these survivals too
+        if not held and self._unchanged_since_no(requests):
+            self.capacity, share = 0, [0] * len(requests)
+        else:
+            self.capacity, share = self._capacity(requests, cap)
+            self._found(self.capacity > 0 or held)
         if not self.capacity:
-            return self._probe(requests)
+            return self._drafting(requests, self._probe(requests))
         self._idle = 0
+        if self._reference_due():
+            return self._drafting(requests, [0] * len(requests))
         # only requests whose stale candidates held some of the top K draft (the capacity search
         # priced K verified tokens, not a drafter forward over every request), each n + 1 at most:
         # no request can be granted more than K, and one that held n is unlikely to get many more
-        return [min(cap, self.capacity, n + 1) if n else 0 for n in share]
+        return self._drafting(requests, [min(cap, self.capacity, n + 1) if n else 0 for n in share])
 
     def _capacity(self, requests, cap) -> tuple[int, list[int]]:
         """(K, per request the number of its stale candidates among the top K)."""
@@ -352,13 +434,16 @@ class AsyncPolicy(_ProfiledPolicy):
         # the top k candidates: k verified tokens, and a drafter call over the requests holding them,
         # each drafting one more than it holds (see draft_lengths)
         best_k, best, tau = 0, R / self.cost.seconds(R, 0, ctx, 0), float(R)
-        held, drafting, drafted = [0] * R, 0, 0
+        held, drafting, drafted, rows = [0] * R, 0, 0, 0
+        backlog = [_backlog(r, 1) for r in requests]
         for k, (a, i) in enumerate(cands, 1):       # full search: no early stop needed
             tau += a
-            drafting += held[i] == 0
+            if not held[i]:
+                drafting += 1
+                rows += backlog[i]
             drafted += min(cap, held[i] + 2) - (min(cap, held[i] + 1) if held[i] else 0)
             held[i] += 1
-            theta = tau / self.cost.seconds(R, k, ctx, drafting, drafted / drafting)
+            theta = tau / self.cost.seconds(R, k, ctx, drafting, drafted / drafting, rows)
             if theta > best:
                 best, best_k = theta, k
         share = [0] * R

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,8 @@ class CostTable:
     machine: str = ""
     draft: list | None = None    # [context][R][verified] median seconds of the drafter's call in
                                  # those steps (None: not measured, counted as the target's)
+    context_row: float = 0.0     # seconds the drafter takes per context row it catches up on (the
+                                 # positions a request verified since it last drafted)
 
     def __post_init__(self):
         self._memo: dict = {}    # schedulers ask for the same few points every step
@@ -109,9 +112,18 @@ class CostTable:
         tokens, verification and the engine's own work."""
         return self._interp("target", requests, verified, context)
 
+    def target_seconds_many(self, requests: int, verified: np.ndarray, context: int) -> np.ndarray:
+        """``target_seconds`` at many verified lengths per request (one R, one context)."""
+        c = min(range(len(self.contexts)), key=lambda i: abs(self.contexts[i] - context))
+        r0, r1, fr = _segment(self.requests, requests)
+        g = self._rows["target"][c]
+        curve = [a + fr * (b - a) for a, b in zip(g[r0], g[r1])]
+        return np.interp(verified, self.verified, curve)
+
     def to_json(self) -> dict:
         return {"key": self.key, "requests": self.requests, "verified": self.verified,
-                "contexts": self.contexts, "seconds": self.seconds, "draft": self.draft, "machine": self.machine}
+                "contexts": self.contexts, "seconds": self.seconds, "draft": self.draft, "machine": self.machine,
+                "context_row": self.context_row}
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path) if path else table_path(self.key)
@@ -126,7 +138,7 @@ class CostTable:
         try:
             d = json.loads(Path(path).read_text())
             t = cls(d["key"], d["requests"], d["verified"], d["contexts"], d["seconds"], d.get("machine", ""),
-                    d.get("draft"))
+                    d.get("draft"), float(d.get("context_row", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DsparkError(f"cannot read cost table {str(path)!r}: {e}; run `dspark profile` again") from None
         if t.draft is None:
@@ -154,59 +166,115 @@ class CostTable:
 
 class CostModel:
     """Seconds of an engine step, from the cost table, corrected online by the steps the engine
-    reports. The table is measured once, on uniform steps, on the machine's state of that day;
-    a serving step differs (ragged blocks, other contexts, a busier or quieter machine). Two
-    factors, each an exponential average of measured / predicted: one for a plain step at the
-    step's size, one for what drafting and verifying drafts add to it."""
+    reports. The table is measured once, on uniform steps, on the machine's state of that day; a
+    serving step differs (ragged blocks, other contexts, a busier or quieter machine). A step is
+    priced pace x (plain part + rho x drafting part):
 
-    def __init__(self, cost_table, beta: float = 0.05):
+    - pace, the machine's speed now: measured / table over the plain steps of the last ``window``
+      observed steps (1 before any plain step). It scales every price alike, so it never changes
+      a decision between drafting and not;
+    - rho, what drafting really costs relative to the table: from drafting steps, their time over
+      the pace, less the plain part, against the table's drafting part (ratio of exponential
+      averages, so that a probe's small part weighs little). It is learned only while the pace is
+      fresh: a drafting step is compared with plain steps of the same minutes. Without that, a slow
+      spell over plain steps followed by drafting steps only reads as drafting being cheap, and the
+      policy keeps drafting and never sees a plain step to undo it. ``since_plain`` tells the
+      policies how long the pace has gone without a plain step, so that they run one now and then
+      while drafting."""
+
+    def __init__(self, cost_table, beta: float = 0.05, window: int = 48):
         self.table = cost_table
         self.beta = beta
-        self.base_scale = 1.0     # measured / table, plain steps
-        self.extra_scale = 1.0    # measured / table, the part drafting adds
+        self.window = window
+        self.extra_scale = 1.0    # rho
+        self.since_plain = 0      # observed steps since the last plain one
         self._pending = None      # (plain part, drafting part) predicted for the step being run
-        self._measured = [[0.0, 0.0], [0.0, 0.0]]   # averages (measured, predicted): plain part, extra part
+        self._step = 0            # observed steps so far
+        self._plain: deque = deque(maxlen=8)   # (step, measured / table) of recent plain steps
+        self._extra = [0.0, 0.0]  # averages of (measured, predicted) drafting parts
 
-    def _parts(self, requests, extra, context, drafting, depth) -> tuple[float, float]:
+    @property
+    def pace(self) -> float | None:
+        """measured / table over the fresh plain steps; 1 before any; None when all are stale."""
+        if not self._plain:
+            return 1.0
+        fresh = [r for step, r in self._plain if self._step - step < self.window]
+        return sum(fresh) / len(fresh) if fresh else None
+
+    def context_index(self, context: int) -> int:
+        """The table's context column a step at this context is priced from (-1 without a table)."""
+        if self.table is None:
+            return -1
+        cs = self.table.contexts
+        return min(range(len(cs)), key=lambda i: abs(cs[i] - context))
+
+    def parts(self, requests, extra, context, drafting, depth, rows: int = 0) -> tuple[float, float]:
+        """The table's (plain part, drafting part) of a step, uncorrected; ``rows``: context rows
+        the drafting requests hand the drafter beyond their steady rounds."""
         t = self.table
         per = max(0.0, extra / max(1, requests))
         base = t.target_seconds(requests, 0, context)
+        catch_up = t.context_row * rows
         if drafting is None:
-            return base, t.step_seconds(requests, per, context) - base
-        return base, t.target_seconds(requests, per, context) - base + t.drafter_seconds(drafting, depth, context)
+            return base, t.step_seconds(requests, per, context) - base + catch_up
+        return base, (t.target_seconds(requests, per, context) - base + t.drafter_seconds(drafting, depth, context)
+                      + catch_up)
 
     def seconds(self, requests: int, extra: float, context: int, drafting: int | None = None,
-                depth: float = 0.0) -> float:
+                depth: float = 0.0, rows: int = 0) -> float:
         """A step of R requests verifying ``extra`` drafted tokens in all (beyond the R anchors).
         ``drafting``: how many requests drafted, ``depth`` tokens each on average; None = all R,
         ``extra / R`` each (the table's own rows). Without a table every token is free (the
         fixed policy's view): 1 s a step whatever it verifies."""
         if self.table is None:
             return 1.0
-        base, more = self._parts(requests, extra, context, drafting, depth)
-        return base * self.base_scale + more * self.extra_scale
+        base, more = self.parts(requests, extra, context, drafting, depth, rows)
+        return (self.pace or 1.0) * (base + more * self.extra_scale)
 
-    def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float) -> None:
+    def seconds_many(self, requests: int, extra: np.ndarray, context: int, depth: int, rows: int = 0) -> np.ndarray:
+        """``seconds`` of steps in which all R requests draft ``depth`` tokens and verify ``extra``
+        of them in all, at many values of ``extra``. A table without the drafter's timings prices
+        every such step as its own row (every drafted token verified)."""
+        extra = np.asarray(extra, dtype=float)
+        t = self.table
+        if t is None:
+            return np.ones_like(extra)
+        if t.draft is None:
+            return np.full_like(extra, self.seconds(requests, requests * depth, context, rows=rows))
+        base = t.target_seconds(requests, 0, context)
+        more = (t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base
+                + t.drafter_seconds(requests, depth, context) + t.context_row * rows)
+        return (self.pace or 1.0) * (base + more * self.extra_scale)
+
+    def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float,
+               rows: int = 0) -> None:
         """The step about to run (what the policy chose), to compare with what it will cost."""
         if self.table is not None and requests:
-            self._pending = self._parts(requests, extra, context, drafting, depth)
+            self._pending = self.parts(requests, extra, context, drafting, depth, rows)
 
-    def observe(self, seconds: float) -> None:
-        """Ratio estimators (exponential averages of measured and of predicted seconds), so that a
-        probe step whose drafting part is small next to the timing noise weighs little."""
+    def observe(self, seconds: float, learn: bool = True) -> tuple[float, float] | None:
+        """The measured time of the step last expected. Returns a drafting step's (measured,
+        predicted) drafting part when the pace is fresh, else None; ``learn=False`` keeps it out of
+        rho (steps unlike the ones rho prices, e.g. one-token probes)."""
         if self._pending is None:
-            return
+            return None
         base, more = self._pending
         self._pending = None
-        plain = more <= 0
-        measured, predicted = (seconds, base) if plain else (seconds - base * self.base_scale, more)
-        m = self._measured[0 if plain else 1]
-        if not m[1]:         # start from the table's own figure (ratio 1), as one earlier step
-            m[0] = m[1] = predicted
+        self._step += 1
+        if more <= 0:
+            self._plain.append((self._step, seconds / base))
+            self.since_plain = 0
+            return None
+        self.since_plain += 1
+        pace = self.pace
+        if pace is None:        # no plain step of late to tell drift from drafting's price
+            return None
+        if not learn:
+            return seconds / pace - base, more
+        m = self._extra
+        if not m[1]:            # start from the table's own figure (ratio 1), as one earlier step
+            m[0] = m[1] = more
         b = self.beta
-        m[0], m[1] = (1 - b) * m[0] + b * measured, (1 - b) * m[1] + b * predicted
-        scale = min(4.0, max(0.25, m[0] / m[1]))
-        if plain:
-            self.base_scale = scale
-        else:
-            self.extra_scale = scale
+        m[0], m[1] = (1 - b) * m[0] + b * (seconds / pace - base), (1 - b) * m[1] + b * more
+        self.extra_scale = min(4.0, max(0.25, m[0] / m[1]))
+        return seconds / pace - base, more
