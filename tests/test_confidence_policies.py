@@ -135,6 +135,7 @@ def test_no_drafting_when_it_does_not_pay_but_a_one_token_probe_in_turn(name):
                      seconds=[[[1.0, 1.5, 1.8], [1.4, 2.1, 2.5]]])
     pol = make_policy(name, 3, cost_table=dear)
     pol.probe_budget = 1.0          # probes cheap enough to come every 8 steps (see the next test)
+    pol.probe_far = 1.0             # however far drafting is from paying (see test_probes_thin_out...)
     pol.profile.hits, pol.profile.tries = [0.1, 0.05, 0.05], [1.0] * 3
     reqs = _requests(2)
     plans = []
@@ -157,6 +158,7 @@ def test_probes_cost_at_most_their_budget(name):
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.25, 1.5], [1.0, 1.25, 1.5]]], draft=[[[0, 0.25, 0.25], [0, 0.25, 0.25]]])
     pol = make_policy(name, 3, cost_table=table)
+    pol.probe_far = 1.0
     pol.profile.hits, pol.profile.tries = [0.01, 0.01, 0.01], [1.0] * 3
     reqs = _requests(2)
     assert pol.probe_gap(reqs) == 25
@@ -198,6 +200,7 @@ def test_prefix_drafts_only_as_deep_as_the_profile_pays():
     assert policy([1.0, 1.1, 1.5], [0.4, 0.1, 0.1]).draft_lengths(reqs(), 3) == [1]
     assert policy([1.0, 1.0, 1.0], [0.4, 0.1, 0.1]).draft_lengths(reqs(), 3) == [3]   # free drafts
     pol = policy([1.0, 1.5, 2.0], [0.05, 0.05, 0.05])                                  # nothing pays
+    pol.probe_far = 1.0
     r = reqs()
     gap = pol.probe_gap(r)        # a probe costs half a step: 50 steps apart under a 1 % budget
     assert gap == 50 and [pol.draft_lengths(r, 3)[0] for _ in range(gap)] == [0] * (gap - 1) + [1]
@@ -441,3 +444,25 @@ def test_a_search_that_found_nothing_pays_is_not_repeated_until_what_it_read_cha
     step(reqs[:4], conf=0.99)                   # nothing changed before it drafts: no search; then
     assert len(calls) == n + 1                  # new proposals come, confident ones
     assert max(step(reqs[:4])) > 0 and len(calls) == n + 2           # searched again: drafting pays
+
+
+def test_probes_thin_out_the_further_drafting_is_from_paying():
+    """A probe's news matters when drafting nearly pays. The gap between probes stretches as the
+    last search's best drafting step falls from plain decoding's tokens/s to 80 % of it, up to 16x."""
+    from dspark.scheduling.confidence import PrefixPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.25, 1.5], [1.0, 1.25, 1.5]]], draft=[[[0, 0.25, 0.25], [0, 0.25, 0.25]]])
+    reqs = _requests(2)
+
+    def gap(acceptance):
+        pol = PrefixPolicy(table, block=3)
+        pol.profile.hits, pol.profile.tries = [acceptance] * 3, [1.0] * 3
+        pol.draft_lengths(reqs, 3)
+        return pol._ratio, pol.probe_gap(reqs)
+
+    near, far, hopeless = gap(0.2), gap(0.08), gap(0.0)
+    import math
+    assert 0.95 < near[0] < 1 and 0.8 < far[0] < 0.9 and hopeless[0] <= 0.8 + 1e-9
+    for ratio, g in (near, far):                            # the budget's own gap (25), stretched
+        assert g == math.ceil(25 / ((ratio - 0.8) / 0.2))   # in proportion to the distance
+    assert near[1] < 2 * 25 and hopeless[1] == 16 * 25      # at most 16x

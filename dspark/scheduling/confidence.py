@@ -192,7 +192,8 @@ class _ProfiledPolicy(Policy):
     keeps learning: at least ``probe_every`` steps apart, and further apart when a probe's price
     (the cost model's, corrected by the steps that ran) exceeds ``probe_budget`` of the plain
     steps between two probes (a probe pays a whole drafter call, and with it the request's context
-    features since it last drafted). The converse: while drafting pays, one step in
+    features since it last drafted), and up to ``probe_far`` times further while the last search
+    found drafting far from paying (its best under 80 % of plain decoding's tokens/s). The converse: while drafting pays, one step in
     ``reference_every + 1`` runs plain, so that the cost model keeps comparing drafting steps with
     plain steps of the same minutes (see CostModel)."""
 
@@ -204,6 +205,7 @@ class _ProfiledPolicy(Policy):
         self.probe_every = probe_every
         self.probe_budget = probe_budget
         self.reference_every = reference_every
+        self.probe_far = 16.0
         self._idle = 0          # steps since the last probe, while drafting does not pay
         self._probes = 0        # probes so far (whose turn is next)
         self._probed = None     # index of the request probed this step, or None
@@ -211,6 +213,7 @@ class _ProfiledPolicy(Policy):
         self.probe_scale = 1.0                        # a probe's measured / table drafting part
         self._rows = 0                                # catch-up rows of this step's drafting requests
         self._version = 0                             # proposals seen (what the searches read)
+        self._ratio = 1.0                             # best drafting tokens/s over plain, last search
         self._no_key = self._key = None               # see _unchanged_since_no
         self._probe_m = [0.0, 0.0]
 
@@ -288,7 +291,12 @@ class _ProfiledPolicy(Policy):
             return self.probe_every
         R, ctx = len(requests), _context(requests)
         base, more = self.cost.parts(R, 1, ctx, 1, 1.0, _backlog(requests[self._probes % R], 1) if R else 0)
-        return max(self.probe_every, math.ceil(more * self.probe_scale / (self.probe_budget * base)))
+        gap = max(self.probe_every, more * self.probe_scale / (self.probe_budget * base))
+        # what probes are for is to notice that drafting pays again; the further the last search
+        # found it from paying, the less a probe's news can change that: the gap stretches as the
+        # best drafting step's tokens/s falls from plain's to 80 % of it, at most ``probe_far`` x
+        near = max(1.0 / self.probe_far, min(1.0, (self._ratio - 0.8) / 0.2))
+        return math.ceil(gap / near)
 
     def _reference_due(self) -> bool:
         """Drafting pays, but the cost model has gone ``reference_every`` steps without a plain one."""
@@ -345,20 +353,24 @@ class PrefixPolicy(_ProfiledPolicy):
         all R requests at depth d, verification by the tokens verified."""
         R = len(requests)
         ctx = _context(requests)
-        best_d, best = 0, R / self.cost.seconds(R, 0, ctx, 0)
+        plain = R / self.cost.seconds(R, 0, ctx, 0)
         pools = self._pools(cap)
+        vals = np.concatenate(pools)
+        pos = np.concatenate([np.full(len(p), k) for k, p in enumerate(pools)])
+        weights = np.concatenate([np.full(len(p), R / len(p)) for p in pools])
+        order = np.argsort(-vals, kind="stable")
+        vals, pos, weights = vals[order], pos[order], weights[order]
+        # row d - 1: drafting d tokens; candidates deeper than d count for nothing in that row
+        w = np.where(pos[None, :] < np.arange(1, cap + 1)[:, None], weights[None, :], 0.0)
+        extra = np.cumsum(w, axis=1)
+        tau = R + np.cumsum(w * vals[None, :], axis=1)
         backlog = [_backlog(r, 0) for r in requests]
-        for d in range(1, cap + 1):
-            vals = np.concatenate(pools[:d])
-            weights = np.concatenate([np.full(len(p), R / len(p)) for p in pools[:d]])
-            order = np.argsort(-vals, kind="stable")
-            extra = np.cumsum(weights[order])
-            tau = R + np.cumsum((vals * weights)[order])
-            theta = tau / self.cost.seconds_many(R, extra, ctx, d, sum(max(0, b - d) for b in backlog))
-            i = int(np.argmax(theta))
-            if theta[i] > best:
-                best, best_d = float(theta[i]), d
-        return best_d
+        rows = [sum(max(0, b - d) for b in backlog) for d in range(1, cap + 1)]
+        theta = tau / self.cost.seconds_many(R, extra, ctx, list(range(1, cap + 1)), rows)
+        best = theta.max(axis=1)
+        d = int(np.argmax(best))
+        self._ratio = float(best[d]) / plain
+        return d + 1 if best[d] > plain else 0
 
     def verify_lengths(self, requests, proposals):
         if not requests:
@@ -434,6 +446,7 @@ class AsyncPolicy(_ProfiledPolicy):
         # the top k candidates: k verified tokens, and a drafter call over the requests holding them,
         # each drafting one more than it holds (see draft_lengths)
         best_k, best, tau = 0, R / self.cost.seconds(R, 0, ctx, 0), float(R)
+        plain, top = best, 0.0
         held, drafting, drafted, rows = [0] * R, 0, 0, 0
         backlog = [_backlog(r, 1) for r in requests]
         for k, (a, i) in enumerate(cands, 1):       # full search: no early stop needed
@@ -444,11 +457,13 @@ class AsyncPolicy(_ProfiledPolicy):
             drafted += min(cap, held[i] + 2) - (min(cap, held[i] + 1) if held[i] else 0)
             held[i] += 1
             theta = tau / self.cost.seconds(R, k, ctx, drafting, drafted / drafting, rows)
+            top = max(top, theta)
             if theta > best:
                 best, best_k = theta, k
         share = [0] * R
         for _, i in cands[:best_k]:
             share[i] += 1
+        self._ratio = top / plain
         return best_k, share
 
     def verify_lengths(self, requests, proposals):

@@ -231,19 +231,21 @@ class CostModel:
         base, more = self.parts(requests, extra, context, drafting, depth, rows)
         return (self.pace or 1.0) * (base + more * self.extra_scale)
 
-    def seconds_many(self, requests: int, extra: np.ndarray, context: int, depth: int, rows: int = 0) -> np.ndarray:
-        """``seconds`` of steps in which all R requests draft ``depth`` tokens and verify ``extra``
-        of them in all, at many values of ``extra``. A table without the drafter's timings prices
-        every such step as its own row (every drafted token verified)."""
+    def seconds_many(self, requests: int, extra: np.ndarray, context: int, depths, rows) -> np.ndarray:
+        """``seconds`` of steps in which all R requests draft d tokens and verify ``extra`` of them in
+        all: ``extra`` [len(depths), n], row i at depth ``depths[i]`` with ``rows[i]`` catch-up rows.
+        A table without the drafter's timings prices every such step as its own row (every drafted
+        token verified)."""
         extra = np.asarray(extra, dtype=float)
         t = self.table
         if t is None:
             return np.ones_like(extra)
         if t.draft is None:
-            return np.full_like(extra, self.seconds(requests, requests * depth, context, rows=rows))
+            return np.array([[self.seconds(requests, requests * d, context, rows=n)] for d, n in zip(depths, rows)]
+                            ) + np.zeros_like(extra)
         base = t.target_seconds(requests, 0, context)
-        more = (t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base
-                + t.drafter_seconds(requests, depth, context) + t.context_row * rows)
+        fixed = np.array([[t.drafter_seconds(requests, d, context) + t.context_row * n] for d, n in zip(depths, rows)])
+        more = t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base + fixed
         return (self.pace or 1.0) * (base + more * self.extra_scale)
 
     def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float,
