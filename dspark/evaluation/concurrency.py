@@ -4,10 +4,10 @@ At concurrency C, C clients each keep one request in flight: when a request ends
 the next prompt, until ``num_prompts`` requests have run. Reported per (policy, concurrency):
 total tokens/s (all new tokens over the wall time) and per-user tokens/s (mean over requests of
 new tokens over that request's latency). At each concurrency the policies run at the same time in
-one process, each with its own engine, drafter and clients, taking one engine step each in turn;
-each is timed on its own steps only. A shared machine drifts by more than the policies differ
-(repeated runs of one policy, one after another, differed by 13 %), and in turn every policy meets
-the same drift. Every run starts from a reset drafter: a drafter that learns from the requests it
+one process, each with its own engine, drafter and clients, taking one engine step each in turn
+(in a shuffled order every round); each is timed on its own steps only. A shared machine drifts
+by more than the policies differ (repeated runs of one policy, one after another, differed by
+13 %), and in turn every policy meets the same drift. Every run starts from a reset drafter: a drafter that learns from the requests it
 served (the n-gram drafter's history) would otherwise draft the same prompts from their answers in
 an earlier run.
 """
@@ -15,6 +15,7 @@ an earlier run.
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 
@@ -78,16 +79,18 @@ def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: 
                         "num_draft_tokens": drafted, "num_accepted_tokens": accepted})
 
 
-def interleave(loops: list) -> list[dict]:
-    """Advance closed loops one engine step each in turn (the first to go rotates every round)
-    until all have ended; their results in the given order. A shared machine drifts by more than
-    the policies differ: in turn, every policy runs through the same slow and fast spells."""
+def interleave(loops: list, seed: int = 0) -> list[dict]:
+    """Advance closed loops one engine step each in turn until all have ended; their results in the
+    given order. A shared machine drifts by more than the policies differ: in turn, every policy
+    runs through the same slow and fast spells. The order is shuffled every round (seeded): in a
+    fixed cycle each loop would always follow the same other one, and a step runs slower after a
+    heavy one (caches, clocks), which would tax one policy for its neighbour's work."""
+    rng = random.Random(seed)
     results: list = [None] * len(loops)
     live = list(range(len(loops)))
-    turn = 0
     while live:
-        order = live[turn % len(live):] + live[:turn % len(live)]
-        turn += 1
+        order = list(live)
+        rng.shuffle(order)
         for i in order:
             try:
                 next(loops[i])
