@@ -269,22 +269,12 @@ def test_async_prices_the_fixed_cost_of_a_drafter_call():
     assert capacity([0.9, 0.09, 0.01]) > 0         # what the interpolated price would have done
 
 
-def test_cost_model_learns_what_steps_really_cost():
-    """The table says drafting one token per request adds 0.2 s to a 1.4 s step; the engine reports
-    that it adds three times that. The prefix policy drafts at first (1.3 tokens for 1.6 s beats
-    1 for 1.4 s), learns the real price from the steps it ran and falls back to plain decoding
-    with a probe now and then (1.3 tokens for 2.0 s do not pay). Plain steps correct the plain
-    price alike."""
+def _run_dearer_drafting(pol, table, reqs, steps: int) -> list[int]:
+    """Steps of 8 requests at confidence 0.3 whose drafting part really costs 3x the table's (plain
+    part 1.4 s as the table says); the tokens drafted per step."""
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import PrefixPolicy
-    from dspark.scheduling.sps import CostModel
-    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
-                      seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
-    pol = PrefixPolicy(table, block=3)
-    pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
-    reqs = _requests(8)
     wants = []
-    for _ in range(80):
+    for _ in range(steps):
         want = pol.draft_lengths(reqs, 3)
         props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.3] * w)) if w else Proposal.empty()
                  for w in want]
@@ -294,6 +284,23 @@ def test_cost_model_learns_what_steps_really_cost():
                  + table.drafter_seconds(n, sum(want) / max(1, n), 8))
         pol.observe_step(1.4 + 3 * extra)
         wants.append(sum(want))
+    return wants
+
+
+def test_cost_model_learns_what_steps_really_cost():
+    """The table says drafting one token per request adds 0.2 s to a 1.4 s step; the engine reports
+    that it adds three times that. The prefix policy drafts at first (1.3 tokens for 1.6 s beats
+    1 for 1.4 s), learns the real price from the steps it ran and falls back to plain decoding
+    with a probe now and then (1.3 tokens for 2.0 s do not pay). Plain steps correct the plain
+    price alike."""
+    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.sps import CostModel
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
+    pol = PrefixPolicy(table, block=3)
+    pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
+    reqs = _requests(8)
+    wants = _run_dearer_drafting(pol, table, reqs, 80)
     assert wants[0] >= 8                                 # drafted on the table's word
     assert all(w <= 1 for w in wants[-16:])              # then only the one-token probes
     assert pol.cost.extra_scale > 2        # learnt from the drafting steps (probes are priced apart)
@@ -317,7 +324,6 @@ def test_a_slow_spell_over_plain_steps_does_not_lock_the_policy_into_drafting():
     steps look nearly free; the old two-factor correction learnt that and, never seeing another plain
     step, drafted for ever. Now the policy runs a plain reference step among its drafting steps,
     the spell's plain steps go stale, and it learns the real price and stops drafting."""
-    from dspark.drafters.base import Proposal
     from dspark.scheduling.confidence import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
@@ -327,17 +333,7 @@ def test_a_slow_spell_over_plain_steps_does_not_lock_the_policy_into_drafting():
     for _ in range(8):                     # the slow spell, over plain steps
         pol.cost.expect(8, 0, 8, 0, 0)
         pol.cost.observe(4 * 1.4)
-    wants = []
-    for _ in range(400):
-        want = pol.draft_lengths(reqs, 3)
-        props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.3] * w)) if w else Proposal.empty()
-                 for w in want]
-        lengths = pol.verify_lengths(reqs, props)
-        n = sum(1 for w in want if w)
-        extra = (table.target_seconds(8, sum(lengths) / 8, 8) - 1.4
-                 + table.drafter_seconds(n, sum(want) / max(1, n), 8))
-        pol.observe_step(1.4 + 3 * extra)
-        wants.append(sum(want))
+    wants = _run_dearer_drafting(pol, table, reqs, 400)
     assert wants[0] >= 8 and pol.cost.pace == pytest.approx(1.0)
     assert 0 in wants[:66]                               # a plain reference step among the drafting ones
     assert all(w <= 1 for w in wants[-50:])              # then only the one-token probes
