@@ -127,7 +127,9 @@ def add_parsers(sub, h) -> None:
     cb = sub.add_parser("calibrate", help="fit the confidence head's STS temperatures on held-out rollouts")
     cb.add_argument("--drafter", default="dspark", help="trained drafter name or folder (needs a confidence head)")
     cb.add_argument("--prompts", default=None, help="held-out prompts JSONL (default: <work>/prompts/heldout.jsonl)")
-    cb.add_argument("--blocks", type=h._positive_int, default=5000, help="verified blocks per split (fit, eval)")
+    cb.add_argument("--blocks", type=h._positive_int, default=20000,
+                    help="verified blocks per split (fit, eval); at 5,000 the ECE's sampling noise alone is "
+                         "about 1.7 %% at position 1, at 20,000 under 1 %%")
     cb.add_argument("--max-new-tokens", type=h._positive_int, default=256)
     cb.add_argument("--concurrency", type=h._positive_int, default=16)
     cb.add_argument("--seed", type=h._int, default=0)
