@@ -43,7 +43,7 @@ $(TRAIN_STAMP): $(STAMP)
 	touch $(TRAIN_STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dspark generate --chat --compare --drafter ngram --max-new-tokens 128 \
+	$(BIN)/dspark generate --chat --compare --drafter auto --max-new-tokens 128 \
 		--prompt "$$(printf '$(DEMO_PROMPT)')"
 
 test: $(STAMP)

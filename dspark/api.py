@@ -49,7 +49,7 @@ def check_max_new_tokens(n) -> int:
     return n
 
 
-def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "ngram",
+def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
              sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
              num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
              stream=None) -> GenerationResult:

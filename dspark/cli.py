@@ -77,10 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="speculative generation from one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    g.add_argument("--drafter", default="ngram",
-                   help="plain, ngram, cut[:N] (the target's first N layers), a trained drafter "
-                        "(dspark, dflash, dflash-5, eagle3, dspark-rnn, or a folder), or a draft LM "
-                        "(bundled name, folder or .gguf sharing the target's tokenizer)")
+    g.add_argument("--drafter", default="auto",
+                   help="auto (default: ngram+dspark where a trained DSpark drafter exists for the target, "
+                        "else ngram), plain, ngram, cut[:N] (the target's first N layers), a trained drafter "
+                        "(dspark, dflash, dflash-5, eagle3, dspark-rnn, or a folder), a draft LM "
+                        "(bundled name, folder or .gguf sharing the target's tokenizer), or ngram+NAME "
+                        "(n-gram lookup where the text repeats, drafter NAME elsewhere)")
     g.add_argument("--num-draft", type=_int, default=None,
                    help="tokens drafted per round (default: the drafter's block size)")
     g.add_argument("--max-new-tokens", type=_int, default=128)
@@ -116,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--systems", default=None,
                    help="comma list (default: all available): hf-plain, hf-prompt-lookup, plain, ngram, "
                         "ngram-no-history, ngram-hf-rule, llama.cpp-plain, llama.cpp-prompt-lookup; also the "
-                        "trained drafters dspark, dflash, dflash-5, eagle3, dspark-rnn; ngram and the trained "
-                        "ones may name their verification policy: dspark@prefix (default: the whole block)")
+                        "trained drafters dspark, dflash, dflash-5, eagle3, dspark-rnn, and ngram+NAME (the n-gram / "
+                        "trained hybrid: ngram+dspark); ngram and the trained ones may name their "
+                        "verification policy: dspark@prefix (default: the whole block)")
     s.add_argument("--num-draft", type=_int, default=None, help="drafted tokens per round (default: "
                                                                   "10 for ngram, the block size of trained drafters)")
     s.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (identity is reported)")

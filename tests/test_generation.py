@@ -26,7 +26,7 @@ def plain_outputs(target_fp32, bench_prompts):
             for p in bench_prompts]
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "cut:20", "dspark"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "cut:20", "dspark", "ngram+dspark"])
 def test_greedy_speculative_equals_plain_decoding(target_fp32, bench_prompts, plain_outputs, drafter_name):
     drafter = load_drafter(drafter_name, target_fp32)
     near_ties, accepted = [], 0

@@ -1,4 +1,6 @@
-"""Drafters by name or path: plain, ngram, cut[:N] (the target's first N layers), a draft LM."""
+"""Drafters by name or path: plain, ngram, cut[:N] (the target's first N layers), a draft LM,
+ngram+NAME (n-gram lookup where the text repeats, drafter NAME elsewhere), and auto (ngram+dspark
+where a trained DSpark drafter exists for the target, else ngram)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ from pathlib import Path
 from ..errors import UsageError
 from .base import DraftContext, Drafter, PlainDrafter, Proposal
 from .draft_lm import DraftLMDrafter
+from .hybrid import HybridDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["DraftContext", "Drafter", "PlainDrafter", "Proposal", "NgramDrafter", "DraftLMDrafter",
+__all__ = ["DraftContext", "Drafter", "PlainDrafter", "Proposal", "NgramDrafter", "DraftLMDrafter", "HybridDrafter",
            "load_drafter", "DRAFTER_NAMES"]
 
-DRAFTER_NAMES = ("plain", "ngram", "cut[:N]", "dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
+DRAFTER_NAMES = ("auto", "plain", "ngram", "cut[:N]", "dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn",
+                 "ngram+NAME")
 TRAINED_NAMES = ("dspark", "dflash", "dflash-5", "eagle3", "dspark-rnn")
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -69,6 +73,19 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
         return PlainDrafter()
     if low == "ngram":
         return NgramDrafter(block_size=block_size or 10)
+    if low == "auto":
+        trained = any((f / "config.json").is_file() for f in trained_drafter_dirs(target.name, "dspark"))
+        return load_drafter("ngram+dspark" if trained else "ngram", target, block_size=block_size, dtype=dtype)
+    if "+" in low:
+        first, _, second = name.partition("+")
+        if first.strip().lower() != "ngram" or not second.strip() or "+" in second:
+            raise UsageError(f"drafter {name!r}: a hybrid is ngram+NAME (n-gram lookup first, "
+                             "then one other drafter: ngram+dspark)")
+        model = load_drafter(second.strip(), target, dtype=dtype)
+        if model.block_size == 0 or isinstance(model, NgramDrafter):
+            raise UsageError(f"drafter {name!r}: the second part must be a drafter that drafts "
+                             f"everywhere (a trained drafter or a draft LM), not {second.strip()!r}")
+        return HybridDrafter(NgramDrafter(block_size=block_size or 10), model)
     if low == "cut" or low.startswith("cut:"):
         total = target.model.config.num_layers
         n = max(1, total // 4)

@@ -132,16 +132,17 @@ class NgramDrafter(Drafter):
         out = []
         history = self.history if len(self.history) else None
         for ctx in contexts:
-            if ctx.num_draft <= 0:
-                out.append(Proposal.empty())
-                continue
-            toks = np.asarray(ctx.tokens, dtype=np.int64)
-            cont, n = lookup(toks, ctx.num_draft, self.max_ngram, self.min_ngram, self.rule,
-                             history, self.history_min_ngram)
-            if n == 1:
-                cont = cont[:self.weak_match_tokens]
-            out.append(Proposal(torch.from_numpy(cont.copy())))
+            out.append(self.match(ctx, history)[0] if ctx.num_draft > 0 else Proposal.empty())
         return out
+
+    def match(self, ctx: DraftContext, history: History | None = None) -> tuple[Proposal, int]:
+        """(the proposal for one request, the length of the suffix match it copies; 0: none)."""
+        toks = np.asarray(ctx.tokens, dtype=np.int64)
+        cont, n = lookup(toks, ctx.num_draft, self.max_ngram, self.min_ngram, self.rule,
+                         history, self.history_min_ngram)
+        if n == 1:
+            cont = cont[:self.weak_match_tokens]
+        return Proposal(torch.from_numpy(cont.copy())), n
 
     def release(self, context: DraftContext) -> None:
         """Remember the ended request's text (the newest ``history_tokens`` tokens are kept)."""

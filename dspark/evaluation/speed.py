@@ -42,6 +42,13 @@ BASELINE_OF = {"hf-prompt-lookup": "hf-plain", "ngram": "plain", "ngram-hf-rule"
                "ngram-no-history": "plain", "llama.cpp-prompt-lookup": "llama.cpp-plain"}
 
 
+def _base(system: str) -> str:
+    """The drafter part of a system name: dspark@prefix -> dspark; ngram+dspark (the hybrid of the
+    two, see drafters.hybrid) -> dspark."""
+    name = system.partition("@")[0]
+    return name.partition("+")[2] if name.startswith("ngram+") else name
+
+
 @dataclass
 class SystemResult:
     name: str
@@ -148,11 +155,12 @@ def _llama_cpp_system(gguf_path, eos, max_new, lookup: int | None):
 def run_speed_bench(args) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     systems = list(ALL_SYSTEMS) if not args.systems else [s.strip() for s in args.systems.split(",")]
-    unknown = [s for s in systems if s.partition("@")[0] not in ALL_SYSTEMS + TRAINED_SYSTEMS
-               or ("@" in s and s.partition("@")[0] not in POLICY_SYSTEMS)]
+    unknown = [s for s in systems if _base(s) not in ALL_SYSTEMS + TRAINED_SYSTEMS
+               or ("@" in s and _base(s) not in POLICY_SYSTEMS)]
     if unknown:
         raise UsageError(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS + TRAINED_SYSTEMS)} "
-                         f"({', '.join(POLICY_SYSTEMS)} may name a verification policy: dspark@prefix)")
+                         f"({', '.join(POLICY_SYSTEMS)} may name a verification policy: dspark@prefix; "
+                         f"ngram+NAME runs the n-gram / trained hybrid: ngram+dspark)")
     for s in systems:
         if "@" in s:
             make_policy(s.partition("@")[2])   # validates the policy name before loading anything
@@ -173,7 +181,7 @@ def run_speed_bench(args) -> int:
             runners[s] = _hf_system(target.path, eos, max_new, 10 if s == "hf-prompt-lookup" else None, temp, seed)
         elif s == "plain":
             runners[s] = _ours_system(target, PlainDrafter(), max_new, eos, temp, seed)
-        elif s.partition("@")[0] in POLICY_SYSTEMS:
+        elif _base(s) in POLICY_SYSTEMS:
             name, _, pol = s.partition("@")
             drafter = (NgramDrafter(block_size=args.num_draft or 10) if name == "ngram"
                        else load_drafter(name, target, block_size=args.num_draft))
@@ -232,7 +240,7 @@ def run_speed_bench(args) -> int:
 def _report(results, datasets, args, skipped) -> dict:
     rows = []
     for s, r in results.items():
-        base = results.get(BASELINE_OF.get(s, "plain" if s.partition("@")[0] in POLICY_SYSTEMS else s))
+        base = results.get(BASELINE_OF.get(s, "plain" if _base(s) in POLICY_SYSTEMS else s))
         identical = None
         if base is not None and base is not r and args.temperature == 0:
             identical = sum(a == b for a, b in zip(r.outputs, base.outputs)) / len(r.outputs)
