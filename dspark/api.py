@@ -52,16 +52,19 @@ def check_max_new_tokens(n) -> int:
 def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
              sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
              num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
-             stream=None) -> GenerationResult:
+             stream=None, batch_invariant: bool = False) -> GenerationResult:
     """Generate text from ``prompt`` with speculative decoding; the output is distributed exactly
-    as the target's own sampling (``sampling``; greedy when temperature is 0)."""
+    as the target's own sampling (``sampling``; greedy when temperature is 0). ``batch_invariant``:
+    bf16 greedy output equal to bf16 plain decoding too (runtime/invariant.py; a loaded ``target``
+    keeps its own setting)."""
     sampling = sampling or SamplingParams()
     check_max_new_tokens(max_new_tokens)
     if num_draft is not None and (not isinstance(num_draft, int) or num_draft < 0):
         raise UsageError(f"num-draft must be an integer >= 0, got {num_draft!r}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise UsageError("prompt is empty")
-    tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
+    tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device,
+                                                                     batch_invariant=batch_invariant)
     d = load_drafter(drafter, tgt, block_size=num_draft)
     ids = encode_prompt(tgt.tokenizer, prompt, chat)
     new, stats = generate_ids(tgt.model, ids, sampling, max_new_tokens, d, num_draft=num_draft,

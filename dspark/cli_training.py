@@ -190,7 +190,8 @@ def cmd_cache(args) -> int:
     from .training.regenerate import read_regenerated
     w = _work_dir(args)
     rows = read_regenerated(args.input or w / "regen" / f"{args.split}.jsonl")
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device,
+                         batch_invariant=getattr(args, "batch_invariant", False))
     layers = args.layers or default_layer_ids(target.model.config.num_layers)
     out = build_cache(rows, target, args.output or w / "cache" / args.split, layers, max_len=args.max_len,
                       shard_tokens=args.shard_tokens, log=lambda m: print(m, file=sys.stderr))
@@ -203,7 +204,8 @@ def cmd_train(args) -> int:
     from .runtime.loading import cache_dir, load_target
     from .training.trainer import TrainConfig, build_draft_vocab, train
     w = _work_dir(args)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device,
+                         batch_invariant=getattr(args, "batch_invariant", False))
     tc = target.model.config
     if args.online:
         from .drafters.config import default_layer_ids
@@ -253,7 +255,8 @@ def cmd_eval(args) -> int:
     else:
         from .drafters import load_drafter
         from .runtime.loading import load_target
-        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        target = load_target(args.target, dtype=args.dtype, device=args.device,
+                             batch_invariant=getattr(args, "batch_invariant", False))
         names = [d.strip() for d in args.drafters.split(",") if d.strip()]
         if not names:
             raise UsageError("--drafters: give at least one drafter")
@@ -286,7 +289,8 @@ def cmd_calibrate(args) -> int:
     from .training.prompts import read_prompts
     rows = read_prompts(args.prompts or _work_dir(args) / "prompts" / "heldout.jsonl")
     fit_rows, eval_rows = cal.split_rows(rows)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device,
+                         batch_invariant=getattr(args, "batch_invariant", False))
     drafter = load_drafter(args.drafter, target)
     folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
     from .api import encode_prompt

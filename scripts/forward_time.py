@@ -7,6 +7,9 @@ run each shape alternately, call by call, so that the machine's drift lands on b
 one version after the other drifted by 10 % here). Reports medians and the ratio other / this.
 
     .venv/bin/python scripts/forward_time.py --against /work/dev
+
+``--invariant`` compares this checkout's default runtime with its batch-invariant mode
+(``--batch-invariant``, runtime/invariant.py) the same way: "other" is the invariant one.
 """
 
 import argparse
@@ -41,11 +44,14 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", type=Path, help="another checkout whose runtime runs alternately with this one")
+    ap.add_argument("--invariant", action="store_true", help="other = this runtime in batch-invariant mode")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     models = {"this": load_target(dtype=args.dtype).model}
     if args.against:
         models["other"] = load_other(args.against, args.dtype)
+    elif args.invariant:
+        models["other"] = load_target(dtype=args.dtype, batch_invariant=True).model
     g = torch.Generator().manual_seed(0)
     out = []
     for shape in args.shapes.split(","):

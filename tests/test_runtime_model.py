@@ -42,10 +42,12 @@ def _tiny(family):
 FAMILIES = ["llama", "llama-untied", "qwen2", "qwen3", "gemma3"]
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers_with_cache_and_rollback(family):
+def test_logits_match_transformers_with_cache_and_rollback(family, invariant):
     hf = _tiny(family)
     dec = Decoder.from_hf(hf, dtype=torch.float32)
+    dec.batch_invariant = invariant
     ids = torch.randint(0, 97, (1, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
@@ -85,13 +87,15 @@ def test_ragged_batch_equals_separate_requests(family):
     assert last.logits.shape == (3, 97)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_short_segments_beside_a_prefill_and_a_free_slot(family):
+def test_batched_short_segments_beside_a_prefill_and_a_free_slot(family, invariant):
     """One forward mixing a decoding row, short blocks and a 20-token prefill, with a free slot among
     the used ones: every row's key / value lands in its own slot (one indexed write) and every
     segment's logits equal transformers."""
     hf = _tiny(family)
     dec = Decoder.from_hf(hf, dtype=torch.float32)
+    dec.batch_invariant = invariant
     g = torch.Generator().manual_seed(4)
     a, c, d = (torch.randint(0, 97, (n,), generator=g) for n in (12, 15, 24))
     cache = dec.new_cache(num_slots=4, max_len=40)

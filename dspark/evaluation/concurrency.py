@@ -132,7 +132,8 @@ def run_concurrency_bench(args) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         _policy(p, args.block)  # validate names before loading anything
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device,
+                         batch_invariant=getattr(args, "batch_invariant", False))
     # one drafter per policy: the policies' loops run in turn, and a drafter holds its requests' state
     drafters = {name: load_drafter(args.drafter, target, block_size=args.block) for name in policies}
     drafter = drafters[policies[0]]

@@ -165,7 +165,8 @@ def run_speed_bench(args) -> int:
         if "@" in s:
             make_policy(s.partition("@")[2])   # validates the policy name before loading anything
     temp, seed = args.temperature, args.seed
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device,
+                         batch_invariant=getattr(args, "batch_invariant", False))
     tok = target.tokenizer
     eos = target.eos_token_ids
     max_new = args.max_new_tokens
@@ -261,7 +262,8 @@ def _report(results, datasets, args, skipped) -> dict:
                    f"torch {torch.__version__}",
         "cpu": _cpu_name(),
         "datasets": datasets, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype, "temperature": args.temperature, "skipped": skipped, "results": rows,
+        "dtype": args.dtype, "batch_invariant": bool(getattr(args, "batch_invariant", False)),
+        "temperature": args.temperature, "skipped": skipped, "results": rows,
     }
 
 

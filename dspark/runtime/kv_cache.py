@@ -16,10 +16,15 @@ class CacheFullError(DsparkError):
     """No free slot, or a request outgrew its slot."""
 
 
+# Batch-invariant attention reads a row's keys up to a multiple of this (runtime.invariant), so a
+# slot is allocated in whole buckets: the entries past max_len are never written and always masked.
+KEY_BUCKET = 16
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_slots: int,
                  max_len: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_slots, num_kv_heads, -(-max_len // KEY_BUCKET) * KEY_BUCKET, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len

@@ -230,18 +230,20 @@ _LOADED: dict = {}
 
 
 def load_target(target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
-                device: str = "cpu", reuse: bool = True) -> Target:
+                device: str = "cpu", reuse: bool = True, batch_invariant: bool = False) -> Target:
     """Load a target by bundled name, HF folder or GGUF file. ``reuse`` keeps loaded targets
-    in memory for the process (the CLI benchmark and tests load the same model many times)."""
+    in memory for the process (the CLI benchmark and tests load the same model many times);
+    ``batch_invariant``: see runtime/invariant.py."""
     torch_dtype = parse_dtype(dtype)
     if str(device) == "cpu":
         tune_allocator()   # decoding on the CPU: reuse heap memory for the per-step temporaries
     name, path = resolve_target(target)
-    key = (str(path), torch_dtype, str(device))
+    key = (str(path), torch_dtype, str(device), bool(batch_invariant))
     if reuse and key in _LOADED:
         return _LOADED[key]
     hf, tok = load_hf(path, torch.float32)
     model = Decoder.from_hf(hf, dtype=torch_dtype, device=device)
+    model.batch_invariant = bool(batch_invariant)
     del hf
     t = Target(name, path, model, tok)
     if reuse:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DecoderConfig
+from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
 
 
@@ -166,6 +167,9 @@ class Decoder:
         self.device = embed.device
         self._embed_scale = (torch.tensor(config.embed_scale, dtype=self.dtype)
                              if config.embed_scale != 1.0 else None)
+        # a token decoded alone and verified inside a block attend bit for bit alike (bf16 greedy
+        # identity; runtime/invariant.py), at a small cost per forward
+        self.batch_invariant = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -233,7 +237,9 @@ class Decoder:
         from dataclasses import replace
         cfg = replace(self.config, num_layers=num_layers,
                       sliding_windows=self.config.sliding_windows[:num_layers])
-        return Decoder(cfg, self.embed, self.layers[:num_layers], self.final_norm, self.lm_head, self.ropes)
+        cut = Decoder(cfg, self.embed, self.layers[:num_layers], self.final_norm, self.lm_head, self.ropes)
+        cut.batch_invariant = self.batch_invariant
+        return cut
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -287,6 +293,7 @@ class Decoder:
         q_size, kv_size = cfg.q_size, cfg.kv_size
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
+        dec = DecodeRows.of(segments, H, Hkv, hd, self.kv_dtype, self.device) if self.batch_invariant else None
         eps = cfg.rms_norm_eps
         scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
         x = F.embedding(input_ids, self.embed)
@@ -311,12 +318,15 @@ class Decoder:
             # all queries into one output buffer
             qs = q.to(kc.dtype) * scale
             attn = torch.empty(n_total, H * hd, dtype=kc.dtype, device=self.device)
-            row = 0
-            for (slot, n), start, mask_for in zip(segments, starts, masks):
-                end = start + n
-                attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
-                       attn[row:row + n])
-                row += n
+            if self.batch_invariant:
+                attend_all(qs, kc, vc, segments, starts, masks, lw.window, attn, dec)
+            else:
+                row = 0
+                for (slot, n), start, mask_for in zip(segments, starts, masks):
+                    end = start + n
+                    attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
+                           attn[row:row + n])
+                    row += n
             attn = attn.to(x.dtype)
             attn = linear(attn, lw.o, lw.o_bias)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich
