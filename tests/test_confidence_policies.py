@@ -462,3 +462,33 @@ def test_probes_thin_out_the_further_drafting_is_from_paying():
     for ratio, g in (near, far):                            # the budget's own gap (25), stretched
         assert g == math.ceil(25 / ((ratio - 0.8) / 0.2))   # in proportion to the distance
     assert near[1] < 2 * 25 and hopeless[1] == 16 * 25      # at most 16x
+
+
+def test_a_paying_depth_is_reused_for_a_few_steps_then_searched_again():
+    """While drafting pays, prefix searches its depth once per ``search_every`` steps at the same
+    number of requests while few proposals came since, and at once when that number changes or
+    many new proposals came."""
+    from dspark.drafters.base import Proposal
+    cheap = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.02, 1.05], [1.4, 1.45, 1.5]]], draft=[[[0, 0.01, 0.02], [0, 0.02, 0.03]]])
+    pol = make_policy("prefix", 3, cost_table=cheap)
+    pol.profile.hits, pol.profile.tries = [0.9, 0.9, 0.9], [1.0] * 3
+    inner, calls = pol._draft_depth, []
+    pol._draft_depth = lambda *a: calls.append(1) or inner(*a)
+    reqs = _requests(8)
+
+    def step(reqs):
+        want = pol.draft_lengths(reqs, 3)
+        pol.verify_lengths(reqs, [Proposal(torch.tensor([1] * w), None, torch.tensor([0.95] * w)) for w in want])
+        return want
+
+    for i in range(8):                           # one request: one proposal a step
+        assert max(step(reqs[:1])) > 0
+        assert len(calls) == i // pol.search_every + 1
+    step(reqs[:2])
+    assert len(calls) == 3                       # more requests: searched at once
+    step(reqs[:2])
+    assert len(calls) == 3
+    for i in range(3):                           # 8 proposals a step: 1/8 of the pool, searched each step
+        step(reqs)
+        assert len(calls) == 4 + i
