@@ -64,7 +64,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="a token decoded alone and verified inside a block attend bit for bit alike, "
                         "so bf16 greedy speculative output equals bf16 plain decoding (fp32 does without "
-                        "it); costs 2 - 4 %% of a forward at one request on CPUs")
+                        "it); costs about 5 %% of a forward at one request on CPUs")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
@@ -169,7 +169,7 @@ def _setup_torch(args) -> None:
 def cmd_generate(args) -> int:
     from .api import check_max_new_tokens, generate
     from .drafters import load_drafter
-    from .runtime.loading import load_target
+    from .runtime.loading import target_from_args
     from .sampling import SamplingParams
 
     if not args.prompt.strip():
@@ -180,8 +180,7 @@ def cmd_generate(args) -> int:
     if args.num_draft is not None and args.num_draft < 0:
         raise UsageError("num-draft must be >= 0")
     _setup_torch(args)
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
     stream = None
     if not args.json:
@@ -234,11 +233,10 @@ def cmd_profile(args) -> int:
     from .data import load_prompts
     from .drafters import load_drafter
     from .evaluation import profile as prof
-    from .runtime.loading import load_target
+    from .runtime.loading import target_from_args
 
     _setup_torch(args)
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     drafter = load_drafter(args.drafter, target)
     tok = target.tokenizer
     prompts = [tok(p)["input_ids"] for d in ("humaneval", "gsm8k", "mt-bench") for p in load_prompts(d, 4)]

@@ -185,13 +185,12 @@ def cmd_regenerate(args) -> int:
 
 def cmd_cache(args) -> int:
     from .drafters.config import default_layer_ids
-    from .runtime.loading import load_target
+    from .runtime.loading import target_from_args
     from .training.cache import build_cache
     from .training.regenerate import read_regenerated
     w = _work_dir(args)
     rows = read_regenerated(args.input or w / "regen" / f"{args.split}.jsonl")
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     layers = args.layers or default_layer_ids(target.model.config.num_layers)
     out = build_cache(rows, target, args.output or w / "cache" / args.split, layers, max_len=args.max_len,
                       shard_tokens=args.shard_tokens, log=lambda m: print(m, file=sys.stderr))
@@ -201,11 +200,10 @@ def cmd_cache(args) -> int:
 
 def cmd_train(args) -> int:
     from .drafters.config import DrafterConfig, pick_mask_token
-    from .runtime.loading import cache_dir, load_target
+    from .runtime.loading import cache_dir, target_from_args
     from .training.trainer import TrainConfig, build_draft_vocab, train
     w = _work_dir(args)
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     tc = target.model.config
     if args.online:
         from .drafters.config import default_layer_ids
@@ -254,9 +252,8 @@ def cmd_eval(args) -> int:
         out = acceptance.merge([_read_eval_json(p) for p in args.merge])
     else:
         from .drafters import load_drafter
-        from .runtime.loading import load_target
-        target = load_target(args.target, dtype=args.dtype, device=args.device,
-                             batch_invariant=getattr(args, "batch_invariant", False))
+        from .runtime.loading import target_from_args
+        target = target_from_args(args)
         names = [d.strip() for d in args.drafters.split(",") if d.strip()]
         if not names:
             raise UsageError("--drafters: give at least one drafter")
@@ -284,13 +281,12 @@ def cmd_eval(args) -> int:
 def cmd_calibrate(args) -> int:
     from tqdm import tqdm
     from .drafters import load_drafter
-    from .runtime.loading import load_target
+    from .runtime.loading import target_from_args
     from .training import calibrate as cal
     from .training.prompts import read_prompts
     rows = read_prompts(args.prompts or _work_dir(args) / "prompts" / "heldout.jsonl")
     fit_rows, eval_rows = cal.split_rows(rows)
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     drafter = load_drafter(args.drafter, target)
     folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
     from .api import encode_prompt

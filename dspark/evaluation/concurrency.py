@@ -25,7 +25,7 @@ from ..api import encode_prompt
 from ..data import load_prompts
 from ..drafters import load_drafter
 from ..engine import Engine
-from ..runtime.loading import load_target
+from ..runtime.loading import target_from_args
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
 from ..scheduling.sps import CostTable, table_key_for
@@ -132,8 +132,7 @@ def run_concurrency_bench(args) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         _policy(p, args.block)  # validate names before loading anything
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     # one drafter per policy: the policies' loops run in turn, and a drafter holds its requests' state
     drafters = {name: load_drafter(args.drafter, target, block_size=args.block) for name in policies}
     drafter = drafters[policies[0]]

@@ -22,7 +22,7 @@ from ..data import load_prompts
 from ..drafters import NgramDrafter, PlainDrafter, load_drafter
 from ..errors import UsageError
 from ..generation import generate_ids
-from ..runtime.loading import load_hf, load_target
+from ..runtime.loading import load_hf, target_from_args
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
 from ..scheduling.sps import CostTable, table_key_for
@@ -165,8 +165,7 @@ def run_speed_bench(args) -> int:
         if "@" in s:
             make_policy(s.partition("@")[2])   # validates the policy name before loading anything
     temp, seed = args.temperature, args.seed
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         batch_invariant=getattr(args, "batch_invariant", False))
+    target = target_from_args(args)
     tok = target.tokenizer
     eos = target.eos_token_ids
     max_new = args.max_new_tokens

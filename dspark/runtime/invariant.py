@@ -9,9 +9,9 @@ on it, so a row's product over exactly its keys and over a longer, masked span d
 bits; bf16 rounding turns such differences into flipped near-ties. Here a query block is padded
 with zero rows to ``MIN_QUERY_ROWS``, and each row meets the values over its key count rounded up
 to ``KEY_BUCKET`` (the extra keys masked: probabilities exactly 0) whatever block it is in; scores
-and softmax were invariant already (masked columns add exact zeros). The price: 2 - 4 % of a
-forward at one request, about 15 % for 32 decoding rows (scripts/forward_time.py --against, see
-README). vLLM's batch-invariant mode makes the same trade.
+and softmax were invariant already (masked columns add exact zeros). The price on that VM: about
+5 % of a forward at one request, 7 % for 32 decoding rows, 1 - 3 % for blocks of 8
+(scripts/forward_time.py --invariant, see README). vLLM's batch-invariant mode makes the same trade.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _bucket(end: int) -> int:
     return -(-end // KEY_BUCKET) * KEY_BUCKET
 
 
-def _softmax(s: torch.Tensor) -> torch.Tensor:
+def softmax_fp32(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, computed in fp32 whatever the scores' dtype (as transformers)."""
     if s.dtype == torch.float32:
         return torch.softmax(s, -1)
     return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
@@ -54,7 +55,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         s[:, :m].view(Hkv, n, rep, width)[..., end - mask.shape[1]:end].add_(mask.unsqueeze(1))
     if width > end:
         s[..., end:].fill_(float("-inf"))
-    p = _softmax(s)
+    p = softmax_fp32(s)
     o = out.view(n, Hkv, rep, hd)
     if _bucket(start + 1) == width:     # every row's key count rounds up to the same width
         o.copy_(torch.bmm(p, v[:, :width])[:, :m].view(Hkv, n, rep, hd).transpose(0, 1))
@@ -83,7 +84,7 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         s[..., end - mask.shape[1]:end].add_(mask)
     if width > end:
         s[..., end:].fill_(float("-inf"))
-    torch.bmm(_softmax(s), v[:, :width], out=out)
+    torch.bmm(softmax_fp32(s), v[:, :width], out=out)
 
 
 @dataclass

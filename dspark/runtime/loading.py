@@ -229,6 +229,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 _LOADED: dict = {}
 
 
+def target_from_args(args) -> "Target":
+    """``load_target`` from a command's model flags (--target, --dtype, --device, --batch-invariant)."""
+    return load_target(args.target, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
+
+
 def load_target(target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",
                 device: str = "cpu", reuse: bool = True, batch_invariant: bool = False) -> Target:
     """Load a target by bundled name, HF folder or GGUF file. ``reuse`` keeps loaded targets

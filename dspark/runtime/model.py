@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DecoderConfig
-from .invariant import DecodeRows, attend_all
+from .invariant import DecodeRows, attend_all, softmax_fp32
 from .kv_cache import KVCache
 
 
@@ -131,7 +131,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     s = torch.bmm(q.reshape(n, Hkv, rep, hd).transpose(0, 1).reshape(Hkv, n * rep, hd), k.transpose(1, 2))
     if mask is not None:
         s.view(Hkv, n, rep, S)[..., S - mask.shape[1]:].add_(mask.unsqueeze(1))
-    p = _softmax(s)
+    p = softmax_fp32(s)
     if n == 1:
         torch.bmm(p, v, out=out.view(Hkv, rep, hd))
     else:
@@ -146,12 +146,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     attend(q.to(k.dtype) * scale, k, v, bias, out)
     return out.to(q.dtype)
 
-
-def _softmax(s: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim, computed in fp32 whatever the scores' dtype."""
-    if s.dtype == torch.float32:
-        return torch.softmax(s, -1)
-    return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
 
 
 class Decoder:

@@ -194,9 +194,6 @@ class _Recent:
         self.next = 0       # where the next row goes
         self.added = 0      # rows added so far
 
-    def __len__(self) -> int:
-        return self.n
-
     def add(self, row) -> None:
         if len(row) > self.rows.shape[1]:
             self.rows = np.concatenate([self.rows, np.full((self.size, len(row) - self.rows.shape[1]), np.nan)], 1)
@@ -254,7 +251,7 @@ class _ProfiledPolicy(Policy):
         self._version = 0                             # proposals seen (what the searches read)
         self._ratio = 1.0                             # best drafting tokens/s over plain, last search
         self._no_key = self._key = None               # see _unchanged_since_no
-        self._held = None                             # prefix: (key, steps used, depth) of a paying search
+        self._held = None                             # prefix: (key, steps used, proposals added then, depth) of a paying search
         self._probe_m = [0.0, 0.0]
 
     def _refresh(self, requests, block_size) -> int:
