@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime.linear import dense
 from .config import DrafterConfig
 
 
@@ -139,11 +140,12 @@ def init_from_target(backbone: Backbone, layers: list, final_norm: torch.Tensor 
             raise ValueError(f"target layer has {', '.join(extra)}, which a drafter layer lacks")
         q, k = mine.q_proj.weight.shape[0], mine.k_proj.weight.shape[0]
         inter = mine.gate_proj.weight.shape[0]
-        parts = [(mine.input_norm.weight, lw.input_norm), (mine.q_proj.weight, lw.qkv[:q]),
-                 (mine.k_proj.weight, lw.qkv[q:q + k]), (mine.v_proj.weight, lw.qkv[q + k:]),
-                 (mine.o_proj.weight, lw.o), (mine.post_norm.weight, lw.post_attn_norm),
-                 (mine.gate_proj.weight, lw.gate_up[:inter]), (mine.up_proj.weight, lw.gate_up[inter:]),
-                 (mine.down_proj.weight, lw.down)]
+        qkv, gate_up = dense(lw.qkv), dense(lw.gate_up)
+        parts = [(mine.input_norm.weight, lw.input_norm), (mine.q_proj.weight, qkv[:q]),
+                 (mine.k_proj.weight, qkv[q:q + k]), (mine.v_proj.weight, qkv[q + k:]),
+                 (mine.o_proj.weight, dense(lw.o)), (mine.post_norm.weight, lw.post_attn_norm),
+                 (mine.gate_proj.weight, gate_up[:inter]), (mine.up_proj.weight, gate_up[inter:]),
+                 (mine.down_proj.weight, dense(lw.down))]
         for dst, src in parts:
             if tuple(dst.shape) != tuple(src.shape):
                 raise ValueError(f"drafter weight {tuple(dst.shape)} != target weight {tuple(src.shape)}")

@@ -27,7 +27,8 @@ from torch import nn
 
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
-from ..runtime.model import LayerWeights, RopeTable, attention, linear, rms_norm, serve_fast
+from ..runtime.linear import linear, pack, serve_fast
+from ..runtime.model import LayerWeights, RopeTable, attention, rms_norm
 from ..sampling import probs_from_logits, sample_rows, uniforms
 from .backbone import Backbone, packed_block_mask
 from .base import DraftContext, Drafter, Proposal
@@ -53,6 +54,7 @@ class DSparkModel(nn.Module):
         self.confidence = ConfidenceHead(c, c.has_markov) if c.confidence_head else None
         self.embed = None      # frozen target parts, attached, never saved
         self.lm_head = None    # the target's LM head rows of the draft vocabulary
+        self.lm_head_packed = None   # the same, packed for serving (runtime/linear.py)
         self.target_lm_head = None
 
     # ------------------------------------------------------------------ target parts
@@ -66,6 +68,7 @@ class DSparkModel(nn.Module):
         self.embed = embed.detach()
         self.target_lm_head = lm_head.detach()
         self.lm_head = lm_head.detach()[self.draft_vocab.to(lm_head.device)].contiguous()
+        self.lm_head_packed = None
         if init_mask:
             with torch.no_grad():
                 self.mask_embedding.copy_(self.embed_tokens(torch.tensor([c.mask_token_id]))[0].float())
@@ -76,7 +79,10 @@ class DSparkModel(nn.Module):
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        u = linear(h, self.lm_head) if h.dim() == 2 else h @ self.lm_head.to(h.dtype).T
+        if h.dim() == 2:
+            u = linear(h, self.lm_head if self.lm_head_packed is None else self.lm_head_packed)
+        else:
+            u = h @ self.lm_head.to(h.dtype).T
         cap = self.config.final_logit_softcap
         return torch.tanh(u / cap) * cap if cap else u
 
@@ -158,6 +164,7 @@ class DSparkDrafter(Drafter):
         self.kv_dtype = torch.float32 if (dt == torch.bfloat16 and target.device.type == "cpu") else dt
         self.model.to(dtype=dt, device=target.device)
         self.model.attach(target.embed, target.lm_head)
+        self.model.lm_head_packed = pack(self.model.lm_head)
         self.device = target.device
         # calibrated confidence c_k = sigmoid(z_k / T_k + b_k) (b = 0 unless calibrated with --shift)
         temps = c.sts_temperatures or [1.0] * c.block_size
@@ -193,13 +200,15 @@ class DSparkDrafter(Drafter):
         products, the feature scale folded into the fusion projection, RoPE tables in the model
         dtype (same weights as training; only how the products are grouped changes)."""
         bb = self.model.backbone
-        self._fc = (bb.fc.weight.float() * bb.feature_scale.float()[None]).to(bb.fc.weight.dtype)
+        self._dtype = dt = bb.fc.weight.dtype
+        self._fc = pack((bb.fc.weight.float() * bb.feature_scale.float()[None]).to(dt))
         self._layers = [LayerWeights(input_norm=l.input_norm.weight, qkv_bias=None, o_bias=None,
                                      qkv=torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
                                      o=l.o_proj.weight, post_attn_norm=l.post_norm.weight,
                                      gate_up=torch.cat([l.gate_proj.weight, l.up_proj.weight]), down=l.down_proj.weight)
                         for l in bb.layers]
-        self._rope = RopeTable(bb.rope.inv_freq, 1.0, bb.fc.weight.dtype, self.device)
+        self._layers = [lw.packed() for lw in self._layers]
+        self._rope = RopeTable(bb.rope.inv_freq, 1.0, dt, self.device)
 
     def _forward(self, contexts: list[DraftContext], active: list[DraftContext], g: int) -> torch.Tensor | None:
         """One pass of the backbone for a batch of requests -> hidden states [len(active), g, d].
@@ -244,7 +253,7 @@ class DSparkDrafter(Drafter):
         ctx_rows = None
         if nc:
             f = feats[0] if len(feats) == 1 else torch.cat(feats)
-            ctx_rows = rms_norm(linear(f.to(self._fc.dtype), self._fc), bb.fc_norm.weight, eps)
+            ctx_rows = rms_norm(linear(f.to(self._dtype), self._fc), bb.fc_norm.weight, eps)
         x = None
         if R:
             m = self.model

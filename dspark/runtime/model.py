@@ -21,24 +21,33 @@ import torch.nn.functional as F
 from .config import DecoderConfig
 from .invariant import DecodeRows, attend_all, softmax_fp32
 from .kv_cache import KVCache
+from .linear import Weight, linear, pack
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight                   # Weight: a plain tensor or packed for runtime/linear.py
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     post_attn_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     pre_ff_norm: torch.Tensor | None = None   # Gemma 3 sandwich norms
     post_ff_norm: torch.Tensor | None = None
     rope: str = "default"                     # which RoPE table this layer uses
     window: int | None = None                 # sliding-window length, None = full attention
+
+    def packed(self) -> "LayerWeights":
+        """The same layer with its four products' weights packed (runtime/linear.py)."""
+        from dataclasses import replace
+        new = {name: pack(getattr(self, name)) for name in ("qkv", "o", "gate_up", "down")}
+        if all(w is getattr(self, name) for name, w in new.items()):
+            return self
+        return replace(self, **new)
 
 
 @dataclass
@@ -79,41 +88,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ b), on the fastest CPU path for the shape.
-
-    Decoding and verification multiply a few rows by large weights: the cost is reading the
-    weights. On CPUs, bf16 one row streams them fastest as a matrix-vector product, and a few
-    rows as ``w @ x.T`` (faster than a small-M GEMM ``x @ w.T`` in microbenchmarks on this
-    project's 2-core Xeon). fp32 and other devices use the ordinary linear.
-    """
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        if x.shape[0] == 1:
-            y = torch.mv(w, x[0]).unsqueeze(0)
-        else:
-            y = torch.matmul(w, x.t()).t()  # a transposed view; callers that need rows copy
-        return y if b is None else y + b
-    return F.linear(x, w, b)
-
-
-class FastLinear(torch.nn.Linear):
-    """``nn.Linear`` on ``linear``'s path for 2-D inputs (rows are returned contiguous)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias).contiguous()
-
-
-def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
-    """Put every ``nn.Linear`` of a drafter built for training on the serving path in place (same
-    weights and parameter names; only how few-row products run changes)."""
-    for m in module.modules():
-        if type(m) is torch.nn.Linear:
-            m.__class__ = FastLinear
-    return module
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            out: torch.Tensor) -> None:
     """One request's attention: q [n, H, hd] (already scaled, in the cache dtype) against its keys
@@ -150,12 +124,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 
 class Decoder:
     def __init__(self, config: DecoderConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, ropes: dict):
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, ropes: dict, packed_head: Weight | None = None):
         self.config = config
         self.embed = embed
-        self.layers = layers
+        # bf16 on a CPU: the products' weights packed once (runtime/linear.py); the LM head also
+        # stays plain in ``lm_head`` (the embedding when tied; the trained drafters share it)
+        self.layers = [lw.packed() for lw in layers]
         self.final_norm = final_norm
         self.lm_head = lm_head
+        self._head = packed_head if packed_head is not None else pack(lm_head)
         self.ropes = ropes
         self.dtype = embed.dtype
         self.device = embed.device
@@ -231,7 +208,8 @@ class Decoder:
         from dataclasses import replace
         cfg = replace(self.config, num_layers=num_layers,
                       sliding_windows=self.config.sliding_windows[:num_layers])
-        cut = Decoder(cfg, self.embed, self.layers[:num_layers], self.final_norm, self.lm_head, self.ropes)
+        cut = Decoder(cfg, self.embed, self.layers[:num_layers], self.final_norm, self.lm_head, self.ropes,
+                      packed_head=self._head)
         cut.batch_invariant = self.batch_invariant
         return cut
 
@@ -250,7 +228,7 @@ class Decoder:
                        max_len=max_len, dtype=self.kv_dtype, device=self.device)
 
     def compute_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(last_hidden, self.lm_head).contiguous()  # rows contiguous: argmax, softmax
+        logits = linear(last_hidden, self._head, rows_alike=self.batch_invariant).contiguous()  # rows contiguous: argmax, softmax
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -288,6 +266,7 @@ class Decoder:
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
         dec = DecodeRows.of(segments, H, Hkv, hd, self.kv_dtype, self.device) if self.batch_invariant else None
+        alike = self.batch_invariant
         eps = cfg.rms_norm_eps
         scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
         x = F.embedding(input_ids, self.embed)
@@ -297,7 +276,7 @@ class Decoder:
         feats = {}
         for li, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, eps)
-            qkv = linear(h, lw.qkv, lw.qkv_bias).contiguous()
+            qkv = linear(h, lw.qkv, lw.qkv_bias, alike).contiguous()
             qk = qkv[:, :q_size + kv_size].view(n_total, H + Hkv, hd)
             v = qkv[:, q_size + kv_size:].view(n_total, Hkv, hd)
             if lw.q_norm is not None:
@@ -322,20 +301,20 @@ class Decoder:
                            attn[row:row + n])
                     row += n
             attn = attn.to(x.dtype)
-            attn = linear(attn, lw.o, lw.o_bias)
+            attn = linear(attn, lw.o, lw.o_bias, alike)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich
                 x = x + rms_norm(attn, lw.post_attn_norm, eps)
                 h = rms_norm(x, lw.pre_ff_norm, eps)
             else:
                 x = x + attn
                 h = rms_norm(x, lw.post_attn_norm, eps)
-            gu = linear(h, lw.gate_up)
+            gu = linear(h, lw.gate_up, rows_alike=alike)
             g, u = gu.chunk(2, dim=-1)
             if cfg.activation == "silu":
                 g = F.silu(g)
             else:
                 g = F.gelu(g, approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
-            m = linear(g * u, lw.down)
+            m = linear(g * u, lw.down, rows_alike=alike)
             if lw.post_ff_norm is not None:
                 m = rms_norm(m, lw.post_ff_norm, eps)
             x = x + m

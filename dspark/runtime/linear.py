@@ -1,0 +1,122 @@
+"""Few-row matrix products ``x @ w.T``: what decoding and verification spend most of a step on.
+
+Decoding and verifying multiply a few rows by large weights, so a step's cost is mostly how fast
+a kernel streams each weight. On CPUs, the bf16 weights of the runtime (the target's layers and LM
+head, the trained drafters' serving weights) are packed once, at load time, into oneDNN's blocked
+layout, the layout torch's own compiler uses for frozen CPU linears
+(``mkldnn::_reorder_linear_weight`` / ``_linear_pointwise``). A packed product gives exactly the
+bits of ``F.linear`` (checked once per process on a probe before anything is packed, else nothing
+is packed) and, on the 2-core AMD EPYC VM of the README, runs about twice as fast from 1 to 8 rows
+and no slower up to 256 (``scripts/forward_time.py --against`` for whole forwards).
+
+Where packing is not available (another device, a torch without oneDNN, fp32 models, a probe that
+disagrees, ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
+path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, as measured faster on
+the 2-core Xeon VM, and ``F.linear`` for everything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+class PackedWeight:
+    """A 2-D bf16 weight ``[out, in]`` in oneDNN's packed layout (opaque: use ``linear`` on it, or
+    ``dense()`` for the plain tensor, which re-lays it out: not for the hot path)."""
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, w: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+        self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
+
+    def dense(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({tuple(self.shape)}, {self.dtype})"
+
+
+Weight = torch.Tensor | PackedWeight
+
+
+@functools.cache
+def packing_available() -> bool:
+    """Whether this torch packs bf16 CPU linears through oneDNN with exactly ``F.linear``'s bits."""
+    if os.environ.get("DSPARK_PACKED_LINEAR", "1") == "0":
+        return False
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(96, 80, generator=g).bfloat16()
+        b = torch.randn(96, generator=g).bfloat16()
+        p = PackedWeight(w)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 80, generator=g).bfloat16()
+            if not (torch.equal(linear(x, p), F.linear(x, w)) and torch.equal(linear(x, p, b), F.linear(x, w, b))):
+                return False
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):   # an op missing from this torch build
+        return False
+
+
+def pack(w: Weight | None) -> Weight | None:
+    """``w`` packed for ``linear`` where that is available and pays (bf16, CPU, 2-D), else ``w``."""
+    if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
+            and w.device.type == "cpu" and packing_available()):
+        return PackedWeight(w)
+    return w
+
+
+def dense(w: Weight) -> torch.Tensor:
+    """The plain tensor of a weight, packed or not."""
+    return w.dense() if isinstance(w, PackedWeight) else w
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike: bool = False) -> torch.Tensor:
+    """x @ w.T (+ b). Packed weights return contiguous rows; the dense bf16 path of a few rows
+    returns a transposed view (callers that need rows copy).
+
+    ``rows_alike`` (batch-invariant mode): a row gets the same bits whatever the number of rows
+    beside it. oneDNN's one-row kernel rounds some inputs differently from its many-row one (rows
+    with subnormal values through the 1536-wide down projection, on the AMD EPYC VM), so with a
+    packed weight one row runs as the first of two; the dense path is alike as it stands."""
+    if isinstance(w, PackedWeight):
+        x = x.to(w.dtype)
+        if rows_alike and x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w.packed, b, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        if x.shape[0] == 1:
+            y = torch.mv(w, x[0]).unsqueeze(0)
+        else:
+            y = torch.matmul(w, x.t()).t()
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+class FastLinear(torch.nn.Linear):
+    """``nn.Linear`` on ``linear``'s path for 2-D inputs (rows are returned contiguous). Serving
+    only: the weight is packed at the first call and repacked only if it is modified in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        key = (self.weight.data_ptr(), self.weight.dtype, self.weight._version)
+        if getattr(self, "_packed_key", None) != key:
+            self._packed, self._packed_key = pack(self.weight.detach()), key
+        return linear(x, self._packed, self.bias).contiguous()
+
+
+def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
+    """Put every ``nn.Linear`` of a drafter built for training on the serving path in place (same
+    weights and parameter names; only how few-row products run changes)."""
+    for m in module.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = FastLinear
+    return module
