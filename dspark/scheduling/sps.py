@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from ..errors import DsparkError
+from ..runtime.linear import PackedWeight
 from ..runtime.loading import cache_dir
 
 log = logging.getLogger("dspark")
@@ -39,9 +40,14 @@ def table_key(target_name: str, drafter_name: str, dtype: str, device: str) -> s
 
 
 def table_key_for(target, drafter) -> str:
-    """The key of a loaded target (runtime.loading.Target) and drafter."""
-    return table_key(target.name, drafter.name, str(target.model.dtype).replace("torch.", ""),
-                     str(target.model.device))
+    """The key of a loaded target (runtime.loading.Target) and drafter. A runtime whose products
+    run on packed weights (runtime/linear.py) prices its steps differently, so its device is
+    keyed apart ("cpu+packed"): a table profiled before packing existed is not found, not misread."""
+    device = str(target.model.device)
+    layers = getattr(target.model, "layers", None)
+    if layers and isinstance(layers[0].qkv, PackedWeight):
+        device += "+packed"
+    return table_key(target.name, drafter.name, str(target.model.dtype).replace("torch.", ""), device)
 
 
 def table_path(key: str) -> Path:
