@@ -39,9 +39,9 @@ def test_rows_alike_gives_a_row_the_same_bits_at_any_row_count():
     bits it gets inside a block. (Without ``rows_alike`` the one-row kernel may differ on some
     CPUs; the test does not assume either way.)"""
     w = L.pack(_data(576, 1536, seed=3))
-    x = _data(16, 1536, subnormal=0.05, seed=4)
+    x = _data(40, 1536, subnormal=0.05, seed=4)   # 4 of these 40 rows differ alone on the AMD EPYC VM
     block = L.linear(x, w, rows_alike=True)
-    alone = torch.cat([L.linear(x[i:i + 1], w, rows_alike=True) for i in range(16)])
+    alone = torch.cat([L.linear(x[i:i + 1], w, rows_alike=True) for i in range(40)])
     assert torch.equal(alone, block)
     for m in (2, 5, 9):
         assert torch.equal(L.linear(x[:m], w, rows_alike=True), block[:m])
