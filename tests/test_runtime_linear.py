@@ -57,6 +57,13 @@ def test_pack_leaves_other_weights_alone():
     assert torch.equal(L.linear(x, w32), F.linear(x, w32))
 
 
+def test_a_shape_whose_rows_differ_by_row_count_stays_dense(monkeypatch):
+    monkeypatch.setattr(L, "rows_alike", lambda shape: shape != (8, 4))
+    w, other = torch.randn(8, 4).bfloat16(), torch.randn(8, 6).bfloat16()
+    assert L.pack(w) is w
+    assert isinstance(L.pack(other), L.PackedWeight) or not L.packing_available()
+
+
 def test_packing_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("DSPARK_PACKED_LINEAR", "0")
     L.packing_available.cache_clear()

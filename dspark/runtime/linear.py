@@ -7,7 +7,9 @@ layout, the layout torch's own compiler uses for frozen CPU linears
 (``mkldnn::_reorder_linear_weight`` / ``_linear_pointwise``). A packed product gives exactly the
 bits of ``F.linear`` (checked once per process on a probe before anything is packed, else nothing
 is packed) and, on the 2-core AMD EPYC VM of the README, runs about twice as fast from 1 to 8 rows
-and no slower up to 256 (``scripts/forward_time.py --against`` for whole forwards).
+and no slower up to 256 (``scripts/forward_time.py --against`` for whole forwards). A weight shape
+is packed only if its packed products give a row the same bits at every row count (``rows_alike``,
+checked once per shape on random inputs), which the batch-invariant mode relies on.
 
 Where packing is not available (another device, a torch without oneDNN, fp32 models, a probe that
 disagrees, ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
@@ -65,10 +67,27 @@ def packing_available() -> bool:
         return False
 
 
+@functools.cache
+def rows_alike(shape: tuple[int, int]) -> bool:
+    """Whether packed products of this weight shape give a row the same bits at every row count
+    (two and more; one row runs as two where it matters, see ``linear``), on random inputs of which
+    5 % are subnormal. A shape that fails stays dense, so that packing never costs the
+    batch-invariant mode its guarantee on a CPU whose kernels differ by row count (one kernel for
+    few rows, another, AMX say, for many)."""
+    g = torch.Generator().manual_seed(0)
+    w = PackedWeight(torch.randn(shape, generator=g).bfloat16())
+    x = torch.randn(64, shape[1], generator=g)
+    x[torch.rand(64, shape[1], generator=g) < 0.05] = 1e-39
+    x = x.bfloat16()
+    full = linear(x, w)
+    return all(torch.equal(linear(x[:m], w, rows_alike=True), full[:m]) for m in (1, 2, 3, 5, 8, 17, 33))
+
+
 def pack(w: Weight | None) -> Weight | None:
-    """``w`` packed for ``linear`` where that is available and pays (bf16, CPU, 2-D), else ``w``."""
+    """``w`` packed for ``linear`` where that is available and keeps rows alike (bf16, CPU, 2-D),
+    else ``w``."""
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
-            and w.device.type == "cpu" and packing_available()):
+            and w.device.type == "cpu" and packing_available() and rows_alike(tuple(w.shape))):
         return PackedWeight(w)
     return w
 
