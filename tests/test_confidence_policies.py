@@ -8,6 +8,7 @@
   sampled tokens): chi-square against the target's exact law, asserting several lengths were chosen.
 """
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -492,3 +493,20 @@ def test_a_paying_depth_is_reused_for_a_few_steps_then_searched_again():
     for i in range(3):                           # 8 proposals a step: 1/8 of the pool, searched each step
         step(reqs)
         assert len(calls) == 4 + i
+
+
+def test_recent_running_totals_match_the_last_rows():
+    """_Recent's per-position totals (what expected_survivals reads) equal a recount over the rows
+    it holds, through the ring's wrap-around, rows of every length and a widening row."""
+    from dspark.scheduling.confidence import _Recent
+    rng = np.random.default_rng(0)
+    ring, added = _Recent(5, width=3), []
+    for i in range(23):
+        row = list(np.cumprod(rng.random(rng.integers(1, 5 if i < 15 else 7))))
+        ring.add(row)
+        added.append(row)
+        held = added[-5:]
+        sums, counts = ring.sums(7)
+        for k in range(7):
+            assert counts[k] == sum(len(r) > k for r in held)
+            assert sums[k] == pytest.approx(sum(r[k] for r in held if len(r) > k), abs=1e-12)

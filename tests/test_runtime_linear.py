@@ -58,7 +58,7 @@ def test_pack_leaves_other_weights_alone():
 
 
 def test_a_shape_whose_rows_differ_by_row_count_stays_dense(monkeypatch):
-    monkeypatch.setattr(L, "rows_alike", lambda shape: shape != (8, 4))
+    monkeypatch.setattr(L, "keeps_rows_alike", lambda shape: shape != (8, 4))
     w, other = torch.randn(8, 4).bfloat16(), torch.randn(8, 6).bfloat16()
     assert L.pack(w) is w
     assert isinstance(L.pack(other), L.PackedWeight) or not L.packing_available()

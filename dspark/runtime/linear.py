@@ -8,7 +8,7 @@ layout, the layout torch's own compiler uses for frozen CPU linears
 bits of ``F.linear`` (checked once per process on a probe before anything is packed, else nothing
 is packed) and, on the 2-core AMD EPYC VM of the README, runs about twice as fast from 1 to 8 rows
 and no slower up to 256 (``scripts/forward_time.py --against`` for whole forwards). A weight shape
-is packed only if its packed products give a row the same bits at every row count (``rows_alike``,
+is packed only if its packed products give a row the same bits at every row count (``keeps_rows_alike``,
 checked once per shape on random inputs), which the batch-invariant mode relies on.
 
 Where packing is not available (another device, a torch without oneDNN, fp32 models, a probe that
@@ -68,7 +68,7 @@ def packing_available() -> bool:
 
 
 @functools.cache
-def rows_alike(shape: tuple[int, int]) -> bool:
+def keeps_rows_alike(shape: tuple[int, int]) -> bool:
     """Whether packed products of this weight shape give a row the same bits at every row count
     (two and more; one row runs as two where it matters, see ``linear``), on random inputs of which
     5 % are subnormal. A shape that fails stays dense, so that packing never costs the
@@ -87,7 +87,7 @@ def pack(w: Weight | None) -> Weight | None:
     """``w`` packed for ``linear`` where that is available and keeps rows alike (bf16, CPU, 2-D),
     else ``w``."""
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
-            and w.device.type == "cpu" and packing_available() and rows_alike(tuple(w.shape))):
+            and w.device.type == "cpu" and packing_available() and keeps_rows_alike(tuple(w.shape))):
         return PackedWeight(w)
     return w
 
@@ -105,8 +105,7 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
     beside it. oneDNN's one-row kernel rounds some inputs differently from its many-row one (rows
     with subnormal values through the 1536-wide down projection, on the AMD EPYC VM), so with a
     packed weight one row runs as the first of two; the dense path is alike as it stands."""
-    if isinstance(w, PackedWeight):
-        x = x.to(w.dtype)
+    if isinstance(w, PackedWeight):     # x in the weight's dtype, as for F.linear
         if rows_alike and x.shape[0] == 1:
             return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w.packed, b, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")

@@ -196,7 +196,6 @@ class _Recent:
         self.n = 0          # rows held
         self.next = 0       # where the next row goes
         self.added = 0      # rows added so far
-        self._held: list = [None] * size        # the same rows as lists
         self._sum = [0.0] * width               # per position: total survival of the held rows
         self._count = [0] * width               # and how many held rows reach it
 
@@ -208,12 +207,12 @@ class _Recent:
             self._sum += [0.0] * more
             self._count += [0] * more
         r = self.rows[self.next]
+        for k, a in enumerate(r.tolist()):      # the row it replaces (all NaN while the ring fills)
+            if a == a:
+                self._sum[k] -= a
+                self._count[k] -= 1
         r[:] = np.nan
         r[:len(row)] = row
-        old, self._held[self.next] = self._held[self.next], row
-        for k, a in enumerate(old or ()):
-            self._sum[k] -= a
-            self._count[k] -= 1
         for k, a in enumerate(row):
             self._sum[k] += a
             self._count[k] += 1
@@ -221,10 +220,7 @@ class _Recent:
         self.n = min(self.n + 1, self.size)
         self.added += 1
         if self.added % self.size == 0:       # re-add from scratch now and then: no rounding drift
-            self._sum = [0.0] * len(self._sum)
-            for held in self._held:
-                for k, a in enumerate(held or ()):
-                    self._sum[k] += a
+            self._sum = np.nansum(self.rows, 0).tolist()
 
     def sums(self, cap: int) -> tuple[list[float], list[int]]:
         """(total survival of the held rows, how many of them reach it) per position, ``cap`` long."""
