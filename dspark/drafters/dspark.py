@@ -28,7 +28,8 @@ from torch import nn
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
 from ..runtime.linear import linear, pack, serve_fast
-from ..runtime.model import LayerWeights, RopeTable, attention, rms_norm
+from ..runtime.attention import SlotBatch, attention
+from ..runtime.model import LayerWeights, RopeTable, rms_norm
 from ..sampling import probs_from_logits, sample_rows, uniforms
 from .backbone import Backbone, packed_block_mask
 from .base import DraftContext, Drafter, Proposal
@@ -261,6 +262,11 @@ class DSparkDrafter(Drafter):
             x[:, 0] = m.embed_tokens(torch.tensor([ctx.tokens[-1] for ctx in active], device=dev)).to(x.dtype)
             x = x.reshape(R * g, -1)
         scale = hd ** -0.5
+        batch = None
+        if R > 1:       # the blocks' attention in one product over their slots (runtime/attention.py)
+            ends = [len(ctx.tokens) - 1 + g for ctx in active]
+            batch = SlotBatch.of([(ctx.state["slot"], g) for ctx in active], [e - g for e in ends],
+                                 [i * g for i in range(R)], dev, causal=False)
         for li, lw in enumerate(self._layers):
             h = rms_norm(x, lw.input_norm, eps) if R else None
             inp = h if ctx_rows is None else ctx_rows if h is None else torch.cat([ctx_rows, h])
@@ -273,12 +279,17 @@ class DSparkDrafter(Drafter):
             if not R:
                 continue
             q = qk[nc:, :H]
-            outs = []
-            for i, ctx in enumerate(active):
-                end = len(ctx.tokens) - 1 + g
-                s = ctx.state["slot"]
-                outs.append(attention(q[i * g:(i + 1) * g], kc[s, :, :end], vc[s, :, :end], None, scale))
-            a = outs[0] if R == 1 else torch.cat(outs)
+            if batch is not None:
+                a = torch.empty(R * g, H * hd, dtype=kc.dtype, device=dev)
+                batch.attend(q.to(kc.dtype) * scale, kc, vc, None, a)
+                a = a.to(x.dtype)
+            else:
+                outs = []
+                for i, ctx in enumerate(active):
+                    end = len(ctx.tokens) - 1 + g
+                    s = ctx.state["slot"]
+                    outs.append(attention(q[i * g:(i + 1) * g], kc[s, :, :end], vc[s, :, :end], None, scale))
+                a = outs[0] if R == 1 else torch.cat(outs)
             x = x + linear(a, lw.o)
             h = rms_norm(x, lw.post_attn_norm, eps)
             gate, up = linear(h, lw.gate_up).chunk(2, -1)

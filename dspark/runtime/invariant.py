@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import softmax_fp32
 from .kv_cache import KEY_BUCKET
 
 MIN_QUERY_ROWS = 4
@@ -29,13 +30,6 @@ MIN_QUERY_ROWS = 4
 
 def _bucket(end: int) -> int:
     return -(-end // KEY_BUCKET) * KEY_BUCKET
-
-
-def softmax_fp32(s: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim, computed in fp32 whatever the scores' dtype (as transformers)."""
-    if s.dtype == torch.float32:
-        return torch.softmax(s, -1)
-    return torch.softmax(s, -1, dtype=torch.float32).to(s.dtype)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -29,7 +29,7 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self.lengths = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots - 1, -1, -1))   # descending: pop() is the lowest
 
     @property
     def num_slots(self) -> int:
@@ -40,6 +40,8 @@ class KVCache:
         return len(self._free)
 
     def allocate(self) -> int:
+        """The lowest free slot: the requests of a step stay in a compact range of slots, which
+        their batched attention reads as one view (runtime/attention.py)."""
         if not self._free:
             raise CacheFullError("KV cache has no free slot")
         slot = self._free.pop()
@@ -51,6 +53,7 @@ class KVCache:
             raise ValueError(f"slot {slot} is already free")
         self.lengths[slot] = 0
         self._free.append(slot)
+        self._free.sort(reverse=True)
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep the first ``length`` entries of ``slot`` (roll back rejected tokens)."""

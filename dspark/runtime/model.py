@@ -3,8 +3,8 @@
 A forward runs over a ragged batch: the new tokens of several requests flattened into one
 ``[N]`` tensor, described by ``segments`` = ``[(cache_slot, num_new_tokens), ...]``. Every linear
 layer runs once over all N rows (the new keys / values go into the cache in one indexed write);
-attention runs per segment against that request's own cache slot (no padding to the longest
-request). The forward appends the new keys/values to the cache;
+attention (runtime/attention.py) runs the short segments of decoding and verification as one
+batched product over their cache slots, and each prefill chunk against its own slot. The forward appends the new keys/values to the cache;
 rolling back rejected tokens is ``cache.truncate``.
 
 Weights come from a loaded transformers model (``Decoder.from_hf``): transformers stays the
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import DecoderConfig
-from .invariant import DecodeRows, attend_all, softmax_fp32
+from .attention import SlotBatch, attend
+from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
 from .linear import Weight, linear, pack
 
@@ -86,40 +87,6 @@ class RopeTable:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           out: torch.Tensor) -> None:
-    """One request's attention: q [n, H, hd] (already scaled, in the cache dtype) against its keys
-    and values k, v [Hkv, S, hd], written into ``out`` [n, H * hd] (contiguous rows).
-
-    Grouped-query heads share their KV head without copying it: a group's queries are the rows of
-    one [Hkv, n * rep, hd] product. ``mask`` is additive (0 where a query may look, -inf elsewhere)
-    over the last ``mask.shape[1]`` key columns: the [n, n] causal triangle of the segment's own
-    keys when every earlier key is visible, or a full [n, S] mask; None when nothing is masked.
-    Softmax in fp32, as transformers does.
-    """
-    n, H, hd = q.shape
-    Hkv, S = k.shape[0], k.shape[1]
-    rep = H // Hkv
-    s = torch.bmm(q.reshape(n, Hkv, rep, hd).transpose(0, 1).reshape(Hkv, n * rep, hd), k.transpose(1, 2))
-    if mask is not None:
-        s.view(Hkv, n, rep, S)[..., S - mask.shape[1]:].add_(mask.unsqueeze(1))
-    p = softmax_fp32(s)
-    if n == 1:
-        torch.bmm(p, v, out=out.view(Hkv, rep, hd))
-    else:
-        out.view(n, Hkv, rep, hd).copy_(torch.bmm(p, v).view(Hkv, n, rep, hd).transpose(0, 1))
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
-    """``attend`` for unscaled queries q [n, H, hd] -> a new [n, H * hd] tensor in q's dtype."""
-    n, H, hd = q.shape
-    out = torch.empty(n, H * hd, dtype=k.dtype, device=k.device)
-    attend(q.to(k.dtype) * scale, k, v, bias, out)
-    return out.to(q.dtype)
-
 
 
 class Decoder:
@@ -266,6 +233,10 @@ class Decoder:
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
         dec = DecodeRows.of(segments, H, Hkv, hd, self.kv_dtype, self.device) if self.batch_invariant else None
+        row_starts = [0]
+        for _, n in segments[:-1]:
+            row_starts.append(row_starts[-1] + n)
+        batch = None if self.batch_invariant else SlotBatch.of(segments, starts, row_starts, self.device)
         alike = self.batch_invariant
         eps = cfg.rms_norm_eps
         scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
@@ -294,12 +265,13 @@ class Decoder:
             if self.batch_invariant:
                 attend_all(qs, kc, vc, segments, starts, masks, lw.window, attn, dec)
             else:
-                row = 0
-                for (slot, n), start, mask_for in zip(segments, starts, masks):
-                    end = start + n
-                    attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
-                           attn[row:row + n])
-                    row += n
+                if batch is not None:
+                    batch.attend(qs, kc, vc, lw.window, attn)
+                for i, ((slot, n), start, row, mask_for) in enumerate(zip(segments, starts, row_starts, masks)):
+                    if batch is None or i not in batch.members:
+                        end = start + n
+                        attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
+                               attn[row:row + n])
             attn = attn.to(x.dtype)
             attn = linear(attn, lw.o, lw.o_bias, alike)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich

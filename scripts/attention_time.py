@@ -1,0 +1,71 @@
+"""One layer's attention of R segments of N new rows each against C cached keys (SmolLM2's heads:
+9 query heads, 3 KV heads of 64), per segment (``attend``, one call each) and batched over the
+slots (``SlotBatch``), in one process; best of 5 timings of a loop of calls (a microbenchmark: the
+cache stays warm). Also the largest difference between the two paths' outputs.
+
+    .venv/bin/python scripts/attention_time.py --shapes 1x1,4x1,4x2,32x1,32x2 --context 256
+"""
+
+import argparse
+import time
+
+import torch
+
+from dspark.runtime.attention import SlotBatch, attend
+
+
+def best_us(f, calls: int) -> float:
+    for _ in range(10):
+        f()
+    out = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            f()
+        out.append((time.perf_counter() - t) / calls)
+    return min(out) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="2x1,4x1,4x2,8x1,16x1,32x1,32x2,32x8", help="RxN: segments x new rows")
+    ap.add_argument("--context", type=int, default=256, help="cached keys per segment before its rows")
+    ap.add_argument("--ragged", action="store_true", help="contexts spread over context +- 25 %%")
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    H, Hkv, hd = 9, 3, 64
+    g = torch.Generator().manual_seed(0)
+    for shape in a.shapes.split(","):
+        R, n = (int(x) for x in shape.split("x"))
+        span = a.context // 4 if a.ragged else 0
+        starts = [a.context + int(x) for x in torch.randint(-span, span + 1, (R,), generator=g)]
+        L = max(starts) + n
+        kc, vc = torch.randn(R, Hkv, L, hd, generator=g), torch.randn(R, Hkv, L, hd, generator=g)
+        q = torch.randn(R * n, H, hd, generator=g)
+        tri = None if n == 1 else torch.full((n, n), float("-inf")).triu_(1)
+        out = torch.empty(R * n, H * hd)
+
+        def per_segment():
+            for i, s in enumerate(starts):
+                attend(q[i * n:(i + 1) * n], kc[i, :, :s + n], vc[i, :, :s + n], tri, out[i * n:(i + 1) * n])
+
+        batch = SlotBatch.of([(i, n) for i in range(R)], starts, [i * n for i in range(R)], "cpu")
+
+        def batched():
+            batch.attend(q, kc, vc, None, out)
+
+        per_segment()
+        ref = out.clone()
+        line = f"{shape}: per segment {best_us(per_segment, a.calls):.0f} us"
+        if batch is None:
+            print(line + " (one segment: not batched)")
+            continue
+        batched()
+        diff = (out - ref).abs().max().item()
+        print(line + f", batched {best_us(batched, a.calls):.0f} us (max difference {diff:.1e})")
+
+
+if __name__ == "__main__":
+    main()
