@@ -37,11 +37,13 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     assert path == sps.table_path(table.key)
     again = sps.CostTable.find(table.key)
     assert again.seconds == table.seconds
-    # interpolation: exact on the grid, between neighbours off it, clamped outside
-    s00, s02 = table.seconds[0][0][0], table.seconds[0][0][1]
-    assert again.step_seconds(1, 0, 16) == pytest.approx(s00)
+    # the prices: the measurements fitted non-decreasing (see the test below), interpolated
+    # between grid points and clamped outside
+    priced = [[again.step_seconds(R, v, 16) for v in table.verified] for R in table.requests]
+    assert all(a <= b + 1e-12 for row in priced for a, b in zip(row, row[1:]))
+    s00, s02 = priced[0][0], priced[0][1]
     assert min(s00, s02) <= again.step_seconds(1, 1, 16) <= max(s00, s02)
-    assert again.step_seconds(99, 0, 16) == pytest.approx(table.seconds[0][1][0])
+    assert again.step_seconds(99, 0, 16) == pytest.approx(priced[1][0])
     # the drafter's share of each step was measured too (none in plain steps), and survives the round trip
     assert again.draft == table.draft
     assert table.context_row == 0.0 == again.context_row      # the n-gram drafter reads no features
@@ -111,3 +113,33 @@ def test_interpolation_is_bilinear_and_clamped():
         rows = [np.interp(v, t.verified, row) for row in grid[0]]
         assert t.step_seconds(R, v, 64) == pytest.approx(float(np.interp(R, t.requests, rows)))
     assert t.step_seconds(4, 3, 10_000) == 3.0 and t.step_seconds(100, 100, 1) == 9.0
+
+
+def test_isotonic_fit_equals_scipy():
+    np = pytest.importorskip("numpy")
+    optimize = pytest.importorskip("scipy.optimize")
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 6, 30):
+        for _ in range(20):
+            y = np.cumsum(rng.normal(0.2, 1.0, n))
+            np.testing.assert_allclose(sps.isotonic(y), optimize.isotonic_regression(y).x, atol=1e-12)
+
+
+def test_prices_never_fall_with_more_rows_and_keep_the_measurements():
+    """A noisy cell (a plain step of 2 requests measured dearer than their MTP-1 step, and than 4
+    requests' plain step) is priced by the fit non-decreasing along requests and verified tokens;
+    monotone measurements are priced as measured; the saved table keeps what was measured."""
+    np = pytest.importorskip("numpy")
+    step = [[[21.0, 26.6, 24.8], [28.7, 29.7, 32.2], [25.7, 36.4, 45.0]]]
+    draft = [[[0.0, 2.9, 3.1], [0.0, 3.7, 4.3], [0.0, 5.0, 4.7]]]
+    t = sps.CostTable("tiny", requests=[1, 2, 4], verified=[0, 1, 2], contexts=[8], seconds=step, draft=draft)
+    target = np.array([[t.target_seconds(R, v, 8) for v in (0, 1, 2)] for R in (1, 2, 4)])
+    calls = np.array([[t.drafter_seconds(R, v, 8) for v in (1, 2)] for R in (1, 2, 4)])
+    for g in (target, calls):
+        assert (np.diff(g, axis=0) >= -1e-12).all() and (np.diff(g, axis=1) >= -1e-12).all()
+    assert t.target_seconds(2, 0, 8) < 28.7 and t.step_seconds(2, 1, 8) == pytest.approx(
+        t.target_seconds(2, 1, 8) + t.drafter_seconds(2, 1, 8))
+    assert t.to_json()["seconds"] == step and t.to_json()["draft"] == draft
+    fine = [[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5], [2.5, 3.1, 4.0]]]
+    u = sps.CostTable("tiny", requests=[1, 2, 4], verified=[0, 1, 2], contexts=[8], seconds=fine)
+    assert [[u.step_seconds(R, v, 8) for v in (0, 1, 2)] for R in (1, 2, 4)] == fine[0]

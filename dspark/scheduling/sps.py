@@ -65,6 +65,30 @@ def _segment(axis: list, x: float) -> tuple[int, int, float]:
     return i, i + 1, (x - axis[i]) / (axis[i + 1] - axis[i])
 
 
+def isotonic(y) -> list[float]:
+    """The non-decreasing sequence nearest to ``y`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []          # [sum, count] of pooled runs
+    for v in y:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    return [total / n for total, n in blocks for _ in range(int(n))]
+
+
+def monotone(grid: np.ndarray, rounds: int = 8) -> np.ndarray:
+    """A [requests, verified] grid made non-decreasing along both axes: isotonic fits of each row and
+    then each column, alternately, until both hold (a few rounds on these small grids)."""
+    g = np.array(grid, dtype=float)
+    for _ in range(rounds):
+        g = np.array([isotonic(row) for row in g])
+        g = np.array([isotonic(col) for col in g.T]).T
+        if (np.diff(g, axis=1) >= -1e-12).all():
+            break
+    return g
+
+
 @dataclass
 class CostTable:
     key: str
@@ -82,7 +106,19 @@ class CostTable:
         self._memo: dict = {}    # schedulers ask for the same few points every step
         step = np.asarray(self.seconds, dtype=float)
         draft = np.zeros_like(step) if self.draft is None else np.asarray(self.draft, dtype=float)
-        self._rows = {name: a.tolist() for name, a in (("step", step), ("draft", draft), ("target", step - draft))}
+        # The prices the policies read: medians of a few steps on a machine that drifts are off by
+        # up to 10 % a cell, and a cell priced above its neighbours misleads a search that weighs
+        # small differences (a plain step of 2 requests dearer than one verifying a token each).
+        # A step over more rows, or a drafter call over more requests or tokens, does not cost
+        # less: the target's part and the drafter's call (over the drafting columns) are fitted
+        # non-decreasing along requests and verified tokens; ``seconds`` / ``draft`` keep the
+        # measurements.
+        target = np.stack([monotone(g) for g in step - draft])
+        cols = [i for i, v in enumerate(self.verified) if v > 0]
+        if self.draft is not None and cols:
+            draft = draft.copy()
+            draft[:, :, cols] = np.stack([monotone(g[:, cols]) for g in draft])
+        self._rows = {name: a.tolist() for name, a in (("step", target + draft), ("draft", draft), ("target", target))}
         self._least_drafted = min((v for v in self.verified if v > 0), default=1)   # a call's smallest measure
 
     def _interp(self, grid: str, requests: float, verified: float, context: int) -> float:
