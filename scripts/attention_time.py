@@ -7,23 +7,11 @@ cache stays warm). Also the largest difference between the two paths' outputs.
 """
 
 import argparse
-import time
 
 import torch
 
 from dspark.runtime.attention import SlotBatch, attend
-
-
-def best_us(f, calls: int) -> float:
-    for _ in range(10):
-        f()
-    out = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            f()
-        out.append((time.perf_counter() - t) / calls)
-    return min(out) * 1e6
+from linear_time import best_us   # scripts/linear_time.py, beside this one
 
 
 def main():
