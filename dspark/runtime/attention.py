@@ -8,8 +8,10 @@ us for one decoding row against 256 keys on the AMD EPYC VM, of which 27 us in t
 do 0.3 M multiply-adds. ``SlotBatch`` runs those segments as one batched product over the slots
 they occupy, the cache read in place (``k[lo:hi, :, :S]`` is a strided view; the allocator hands
 out the lowest free slot, so a step's requests sit in a compact range): every query row against
-the keys up to the longest segment's end, the rest masked. Per layer, 32 decoding rows take 0.55
-ms instead of 1.35 ms, 32 blocks of 2 rows 0.66 ms instead of 1.86 (``scripts/attention_time.py``).
+the keys up to the longest segment's end, the rest masked. Per layer, at contexts 192 - 320, 32
+decoding rows take 0.57 ms instead of 1.30 ms, 32 blocks of 2 rows 0.70 ms instead of 1.95
+(``scripts/attention_time.py --ragged``). With many long contexts (64 requests up to 900 keys) the
+fp32 cache's bandwidth bounds both ways alike.
 
 Softmax in fp32 whatever the cache dtype, as transformers does. Not batch-invariant (a row's
 scores over a longer, masked span round differently in the last bits): runtime/invariant.py is
