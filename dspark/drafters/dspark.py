@@ -264,8 +264,7 @@ class DSparkDrafter(Drafter):
         scale = hd ** -0.5
         batch = None
         if R > 1:       # the blocks' attention in one product over their slots (runtime/attention.py)
-            ends = [len(ctx.tokens) - 1 + g for ctx in active]
-            batch = SlotBatch.of([(ctx.state["slot"], g) for ctx in active], [e - g for e in ends],
+            batch = SlotBatch.of([(ctx.state["slot"], g) for ctx in active], [len(ctx.tokens) - 1 for ctx in active],
                                  [i * g for i in range(R)], dev, causal=False)
         for li, lw in enumerate(self._layers):
             h = rms_norm(x, lw.input_norm, eps) if R else None

@@ -4,8 +4,8 @@ A forward runs over a ragged batch: the new tokens of several requests flattened
 ``[N]`` tensor, described by ``segments`` = ``[(cache_slot, num_new_tokens), ...]``. Every linear
 layer runs once over all N rows (the new keys / values go into the cache in one indexed write);
 attention (runtime/attention.py) runs the short segments of decoding and verification as one
-batched product over their cache slots, and each prefill chunk against its own slot. The forward appends the new keys/values to the cache;
-rolling back rejected tokens is ``cache.truncate``.
+batched product over their cache slots, and each prefill chunk against its own slot. The forward
+appends the new keys/values to the cache; rolling back rejected tokens is ``cache.truncate``.
 
 Weights come from a loaded transformers model (``Decoder.from_hf``): transformers stays the
 loader and the reference our logits are tested against; this module is the fast path.
@@ -237,6 +237,9 @@ class Decoder:
         for _, n in segments[:-1]:
             row_starts.append(row_starts[-1] + n)
         batch = None if self.batch_invariant else SlotBatch.of(segments, starts, row_starts, self.device)
+        # the segments that attend on their own: prefill chunks, or all of them without a batch
+        alone = [(slot, n, start, row, mask_for) for i, ((slot, n), start, row, mask_for)
+                 in enumerate(zip(segments, starts, row_starts, masks)) if batch is None or i not in batch.members]
         alike = self.batch_invariant
         eps = cfg.rms_norm_eps
         scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
@@ -267,11 +270,10 @@ class Decoder:
             else:
                 if batch is not None:
                     batch.attend(qs, kc, vc, lw.window, attn)
-                for i, ((slot, n), start, row, mask_for) in enumerate(zip(segments, starts, row_starts, masks)):
-                    if batch is None or i not in batch.members:
-                        end = start + n
-                        attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
-                               attn[row:row + n])
+                for slot, n, start, row, mask_for in alone:
+                    end = start + n
+                    attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
+                           attn[row:row + n])
             attn = attn.to(x.dtype)
             attn = linear(attn, lw.o, lw.o_bias, alike)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich
