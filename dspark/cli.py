@@ -96,6 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plain decoding on the same prompt and report the speed-up")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=_non_negative_int, default=8000)
+    sv.add_argument("--drafter", default="auto", help="as for `dspark generate`")
+    sv.add_argument("--num-draft", type=_non_negative_int, default=None,
+                    help="tokens drafted per round (default: the drafter's block size)")
+    sv.add_argument("--policy", default="auto",
+                    help="verification policy: auto (prefix where `dspark profile` measured a cost table for "
+                         "this target and drafter, else fixed), plain, fixed, mtp1, threshold-X, ema, prefix, async")
+    sv.add_argument("--max-requests", type=_positive_int, default=16,
+                    help="requests decoded together (the rest wait in a queue)")
+    sv.add_argument("--max-len", type=_positive_int, default=2048,
+                    help="tokens per request, prompt and output together (the KV cache holds "
+                         "max-requests x max-len tokens)")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target's)")
+    sv.add_argument("--api-key", default=None,
+                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $DSPARK_API_KEY, else none)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_model_flags(sv)
+
     pr = sub.add_parser("profile", help="measure engine step costs on this machine (the cost table)")
     pr.add_argument("--drafter", default="ngram")
     pr.add_argument("--requests", type=_int_list(1), default="1,2,4,8,16,32",
@@ -229,6 +249,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    from .drafters import load_drafter
+    from .engine import Engine
+    from .runtime.loading import target_from_args
+    from .scheduling.policies import make_policy
+    from .scheduling.sps import CostTable, table_key_for
+
+    if args.port > 65535:
+        raise UsageError(f"port must be at most 65535, got {args.port}")
+    make_policy("fixed" if args.policy == "auto" else args.policy)   # a bad name fails before loading
+    _setup_torch(args)
+    target = target_from_args(args)
+    drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
+    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
+    name = args.policy if args.policy != "auto" else ("prefix" if table is not None else "fixed")
+    policy = make_policy(name, drafter.block_size, cost_table=table)
+    engine = Engine(target.model, drafter, policy, max_requests=args.max_requests, max_len=args.max_len,
+                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table)
+    from .server import serve
+    print(f"dspark: serving {target.name} with drafter {drafter.name}, policy {policy.name}, "
+          f"{args.max_requests} requests x {args.max_len} tokens on http://{args.host}:{args.port}", file=sys.stderr)
+    serve(target, engine, args.host, args.port, args.served_model_name,
+          args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level)
+    return 0
+
+
 def cmd_profile(args) -> int:
     from .data import load_prompts
     from .drafters import load_drafter
@@ -278,6 +326,8 @@ def main(argv=None) -> int:
             return cmd_bench(args)
         if args.command == "profile":
             return cmd_profile(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         from .cli_training import COMMANDS
         if args.command in COMMANDS:
             _setup_torch(args)

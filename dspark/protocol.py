@@ -1,0 +1,207 @@
+"""The OpenAI API's request bodies (completions, chat completions) as pydantic models, and the text
+side of a response: incremental detokenisation with stop strings.
+
+Fields the engine cannot honour are refused with a clear 400 rather than ignored: log
+probabilities, penalties and logit biases (they change the distribution the speculative decoder
+must reproduce exactly), tools, and any field the API does not define. vLLM's extensions
+``top_k`` and ``ignore_eos`` are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16          # choices per request
+MAX_STOPS = 16      # stop strings per request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(-1, ge=-1, description="vLLM extension: 0 or -1 = off")
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=0, description="choice i of a request samples with seed + i")
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-text tokens")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (they change the "
+                             "distribution that speculative decoding reproduces)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            v = [v]
+        elif v and isinstance(v[0], int):
+            v = [v]
+        if not v:
+            raise ValueError("prompt is empty")
+        for p in v:
+            if (isinstance(p, str) and not p.strip()) or (isinstance(p, list) and not p):
+                raise ValueError("prompt is empty")
+            if isinstance(p, list) and any(t < 0 for t in p):
+                raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _refused(self):
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise ValueError("best_of is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _refused(self):
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat(self) -> list[dict]:
+        """The messages as a chat template reads them ("developer" is the newer name of "system")."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class TextStream:
+    """Token ids in, text out, as they come: each ``add`` returns the text that can be shown now.
+
+    Decoding is incremental (each new chunk decoded together with the previous one, so that a
+    tokenizer's word-boundary rules see the same neighbours as in a whole decode), and text that
+    ends in an incomplete UTF-8 sequence waits for its next token. With stop strings, the text is
+    cut before the first occurrence of any of them (the stop string itself is not returned, as in
+    the OpenAI API), and a tail that could be the start of one is held back until it is not."""
+
+    def __init__(self, tokenizer, stops: list[str] = ()):
+        self.tok = tokenizer
+        self.stops = list(stops)
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, final: bool) -> None:
+        prev = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        full = self.tok.decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(full) > len(prev) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(prev):]
+            self._prefix, self._read = self._read, len(self.ids)
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        self._decode(final)
+        end = len(self.text)
+        if self.stops:
+            start = max(0, self.sent - max(map(len, self.stops)) + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                end = min(hits)
+                self.stopped = True
+            elif not final:
+                end -= self._held_back()
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text once the request has ended."""
+        return self.add([], final=True)
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        for k in range(min(len(self.text), max(map(len, self.stops)) - 1), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    @property
+    def output(self) -> str:
+        return self.text[:self.sent]

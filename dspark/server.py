@@ -1,0 +1,463 @@
+"""``dspark serve``: an OpenAI-compatible HTTP server over the engine.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming as server-sent
+events, ``n`` choices, stop strings, seeds), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+(Prometheus text: vLLM's request and speculative-decoding counters under a ``dspark:`` prefix).
+
+One engine serves every request: it runs on a thread of its own (``EngineWorker``) and steps while
+any request is in flight, so that all of them share each target forward (continuous batching, up
+to ``max_requests`` at once, the rest queued). HTTP handlers only submit, cancel and read events;
+the engine thread hands each request's new tokens to its handler's event loop. A client that goes
+away (a closed stream, a dropped connection) cancels its requests and frees their cache slots.
+
+Errors come back in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+malformed or unsupported request (the message names the field), 401 without the API key when one
+is set, 404 for another model's name; a failure inside the engine fails the requests in flight
+with a 500 (or an error event in a stream) and the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import traceback
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .engine import Engine
+from .errors import DsparkError
+from .protocol import ChatCompletionRequest, CompletionRequest, TextStream
+from .sampling import SamplingParams
+
+log = logging.getLogger("dspark.server")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class Metrics:
+    """Prometheus counters in a registry of the server's own (several servers in one process, as
+    in the tests, do not collide)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("dspark:num_requests_running", "requests in the engine's batch", registry=r)
+        self.waiting = Gauge("dspark:num_requests_waiting", "requests queued for a cache slot", registry=r)
+        self.prompt_tokens = Counter("dspark:prompt_tokens", "prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("dspark:generation_tokens", "tokens generated", registry=r)
+        self.finished = Counter("dspark:request_success", "requests ended, by reason",
+                                ["finished_reason"], registry=r)
+        self.steps = Counter("dspark:engine_steps", "engine steps (one target forward each)", registry=r)
+        self.drafts = Counter("dspark:spec_decode_num_drafts", "rounds that verified draft tokens", registry=r)
+        self.draft_tokens = Counter("dspark:spec_decode_num_draft_tokens", "draft tokens verified", registry=r)
+        self.accepted = Counter("dspark:spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.accepted_pos = Counter("dspark:spec_decode_num_accepted_tokens_per_pos",
+                                    "draft tokens accepted, by position in the block", ["position"], registry=r)
+        self.ttft = Histogram("dspark:time_to_first_token_seconds", "from admission to the first token",
+                              registry=r, buckets=(0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.latency = Histogram("dspark:e2e_request_latency_seconds", "from admission to the end",
+                                 registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+    def request_ended(self, req) -> None:
+        s = req.stats
+        self.drafts.inc(s.num_drafts)
+        self.draft_tokens.inc(s.num_draft_tokens)
+        self.accepted.inc(s.num_accepted_tokens)
+        for k, n in enumerate(s.accepted_per_position):
+            if n:
+                self.accepted_pos.labels(position=str(k)).inc(n)
+
+
+@dataclass
+class Job:
+    """One engine request as the HTTP side sees it; ``sink`` receives its events on the engine
+    thread: ("tokens", ids), ("end", finish_reason), ("error", message)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset | None
+    sink: object
+    request: object = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    first_token: bool = True
+
+
+class EngineWorker:
+    """The engine on its own thread; ``submit`` and ``cancel`` may be called from any thread."""
+
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: deque = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._jobs: dict[int, Job] = {}
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> Job:
+        self._command(("add", job))
+        return job
+
+    def cancel(self, job: Job) -> None:
+        self._command(("cancel", job))
+
+    def _command(self, c) -> None:
+        with self._wake:
+            self._commands.append(c)
+            self._wake.notify()
+
+    @property
+    def idle(self) -> bool:
+        return not self._jobs and not self._commands
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._wake:
+                while not self._commands and not eng.has_work() and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for kind, job in commands:
+                if kind == "add":
+                    self._add(job)
+                elif job.request is not None and not job.request.done:
+                    eng.cancel(job.request)
+                    self._end(job, "cancelled")
+            if not eng.has_work():
+                continue
+            try:
+                ended = eng.step()
+            except Exception as e:       # fail what is in flight, keep serving
+                log.error("engine step failed: %s", traceback.format_exc())
+                for job in list(self._jobs.values()):
+                    eng.cancel(job.request)
+                    self._jobs.pop(job.request.id, None)
+                    job.sink(("error", f"engine failure: {type(e).__name__}: {e}"))
+                ended = []
+            self.metrics.steps.inc()
+            for r in ended:
+                self.metrics.request_ended(r)
+                self._end(self._jobs[r.id], r.finish_reason)
+            self.metrics.running.set(len(eng.running))
+            self.metrics.waiting.set(len(eng.waiting))
+
+    def _add(self, job: Job) -> None:
+        def on_tokens(ids, job=job):
+            if job.first_token:
+                job.first_token = False
+                self.metrics.ttft.observe(time.perf_counter() - job.t_submit)
+            self.metrics.generation_tokens.inc(len(ids))
+            job.sink(("tokens", list(ids)))
+        try:
+            job.request = self.engine.add_request(job.prompt_ids, job.params, job.max_new_tokens,
+                                                  stop_ids=job.stop_ids, on_tokens=on_tokens)
+        except DsparkError as e:
+            job.sink(("error", str(e)))
+            return
+        self._jobs[job.request.id] = job
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+
+    def _end(self, job: Job, reason: str) -> None:
+        self._jobs.pop(job.request.id, None)
+        self.metrics.latency.observe(time.perf_counter() - job.t_submit)
+        job.sink(("end", reason))
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_tokens: int
+    text: TextStream
+    job: Job | None = None
+    tokens: int = 0
+    finish_reason: str | None = None
+
+
+class Server:
+    """The app's state: target, engine worker, metrics, and the request handling shared by both
+    endpoints."""
+
+    def __init__(self, target, engine: Engine, model_name: str, api_key: str | None = None):
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = Metrics()
+        self.worker = EngineWorker(engine, self.metrics)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ requests -> jobs
+    def check(self, body) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
+                                f"`{self.model_name}`.", "invalid_request_error", "model", "model_not_found")
+
+    def limit(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """max_tokens checked against the per-request cache (or, when absent, all that fits)."""
+        room = self.engine.cache.max_len - self.engine.block_size - 1 - len(prompt_ids)
+        if max_tokens is None:
+            if room < 1:
+                raise ApiError(400, f"This model's maximum context length is {self.engine.cache.max_len} tokens; "
+                                    f"the prompt has {len(prompt_ids)}.", param="messages",
+                               code="context_length_exceeded")
+            return room
+        if max_tokens > room:
+            raise ApiError(400, f"This model's maximum context length is {self.engine.cache.max_len} tokens "
+                                f"(less {self.engine.block_size + 1} for drafting); the prompt has {len(prompt_ids)} "
+                                f"and max_tokens is {max_tokens}.", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+        except Exception as e:     # a template that refuses these messages (e.g. roles out of order)
+            raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        vocab = self.target.model.config.vocab_size
+        if any(t >= vocab for t in prompt):
+            raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="prompt")
+        return list(prompt)
+
+    def start(self, prompts: list[list[int]], body, max_tokens: int | None) -> tuple[list[_Choice], asyncio.Queue]:
+        """Submit n choices per prompt; their events arrive on the returned queue as (index, event)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        limits = [self.limit(p, max_tokens) for p in prompts]      # all checked before any is submitted
+        stop_ids = frozenset() if body.ignore_eos else None
+        choices = []
+        for pi, (ids, limit) in enumerate(zip(prompts, limits)):
+            for j in range(body.n):
+                seed = None if body.seed is None else body.seed + j
+                try:
+                    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed)
+                except DsparkError as e:
+                    raise ApiError(400, str(e)) from None
+                ch = _Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop))
+                choices.append(ch)
+
+                def sink(ev, i=ch.index):
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
+                ch.job = Job(ids, params, limit, stop_ids, sink)
+        for ch in choices:
+            self.worker.submit(ch.job)
+        return choices, queue
+
+    async def events(self, choices: list[_Choice], queue: asyncio.Queue, request: Request):
+        """(choice, new text) as tokens come, until every choice has ended; a choice's last item
+        carries its finish_reason. Cancels what is still running if the client goes away."""
+        live = len(choices)
+        try:
+            while live:
+                try:
+                    i, ev = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                ch = choices[i]
+                if ch.finish_reason is not None:
+                    continue
+                if ev[0] == "error":
+                    raise ApiError(500, ev[1], "internal_error")
+                if ev[0] == "tokens":
+                    ch.tokens += len(ev[1])
+                    text = ch.text.add(ev[1])
+                    if ch.text.stopped:
+                        self.worker.cancel(ch.job)
+                        ch.finish_reason = "stop"
+                        live -= 1
+                    if text or ch.text.stopped:
+                        yield ch, text
+                else:
+                    ch.finish_reason = "length" if ev[1] == "length" else "stop"
+                    live -= 1
+                    self.metrics.finished.labels(finished_reason=ch.finish_reason).inc()
+                    yield ch, ch.text.finish()
+        finally:
+            for ch in choices:
+                if ch.finish_reason is None:
+                    self.worker.cancel(ch.job)
+                    ch.finish_reason = "abort"
+                    self.metrics.finished.labels(finished_reason="abort").inc()
+
+    @staticmethod
+    def usage(choices: list[_Choice]) -> dict:
+        p = sum({id(ch.job.prompt_ids): ch.prompt_tokens for ch in choices}.values())   # a prompt once, whatever n
+        c = sum(ch.tokens for ch in choices)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (whose target is ``target.model``); the engine thread runs
+    for the app's lifetime."""
+    srv = Server(target, engine, model_name or target.name, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        srv.worker.start()
+        try:
+            yield
+        finally:
+            srv.worker.close()
+
+    app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        msgs, params = [], []
+        for err in e.errors()[:4]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            if err.get("type") == "json_invalid":
+                return ApiError(400, "the request body is not valid JSON").response()
+            if err.get("type") == "extra_forbidden":
+                msgs.append(f"unknown field {loc!r}")
+            else:
+                msgs.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid request"))
+            params.append(loc)
+        return ApiError(400, "; ".join(msgs) or "invalid request", param=params[0] if params else None).response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if srv.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {srv.api_key}".encode()):
+                return ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                "authentication_error", code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
+                                            "owned_by": "dspark", "max_model_len": engine.cache.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        srv.check(body)
+        prompts = [srv.prompt_ids(p) for p in body.prompt]
+        echo = [srv.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+        choices, queue = srv.start(prompts, body, body.max_tokens)
+        rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def chunk(ch, text, finish=None):
+            return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                    "choices": [{"index": ch.index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            async def stream():
+                try:
+                    if body.echo:
+                        for ch in choices:
+                            yield _sse(chunk(ch, echo[ch.index // body.n]))
+                    async for ch, text in srv.events(choices, queue, request):
+                        yield _sse(chunk(ch, text, ch.finish_reason))
+                except ApiError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
+                    return
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                                "choices": [], "usage": srv.usage(choices)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        async for _ in srv.events(choices, queue, request):
+            pass
+        return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                "choices": [{"index": ch.index, "text": echo[ch.index // body.n] + ch.text.output, "logprobs": None,
+                             "finish_reason": ch.finish_reason} for ch in choices],
+                "usage": srv.usage(choices)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        srv.check(body)
+        choices, queue = srv.start([srv.chat_ids(body)], body, body.token_limit)
+        rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def chunk(ch, delta, finish=None):
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
+                    "choices": [{"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            async def stream():
+                try:
+                    for ch in choices:
+                        yield _sse(chunk(ch, {"role": "assistant", "content": ""}))
+                    async for ch, text in srv.events(choices, queue, request):
+                        yield _sse(chunk(ch, {"content": text} if text else {}, ch.finish_reason))
+                except ApiError as e:
+                    yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
+                    return
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": srv.model_name, "choices": [], "usage": srv.usage(choices)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        async for _ in srv.events(choices, queue, request):
+            pass
+        return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
+                "choices": [{"index": ch.index, "message": {"role": "assistant", "content": ch.text.output},
+                             "logprobs": None, "finish_reason": ch.finish_reason} for ch in choices],
+                "usage": srv.usage(choices)}
+
+    return app
+
+
+def serve(target, engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          api_key: str | None = None, log_level: str = "info") -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+    uvicorn.run(create_app(target, engine, model_name, api_key), host=host, port=port, log_level=log_level)

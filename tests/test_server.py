@@ -1,0 +1,243 @@
+"""The OpenAI-compatible server on the real default model (fp32), driven by the `openai` client and
+raw HTTP: greedy output equal to plain decoding, streaming equal to the whole response, stop
+strings, a queue of concurrent requests, seeds, errors, the API key, a dropped stream's cancellation
+and the metrics."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+from openai import OpenAI, BadRequestError, AuthenticationError, NotFoundError
+
+from dspark.drafters import load_drafter
+from dspark.drafters.base import PlainDrafter
+from dspark.engine import Engine
+from dspark.generation import generate_ids
+from dspark.protocol import TextStream
+from dspark.sampling import SamplingParams
+from dspark.server import create_app
+
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Here is a list of fruits:", "import numpy as np\n",
+           "Once upon a time"]
+
+
+@contextmanager
+def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None):
+    engine = Engine(target.model, drafter, max_requests=max_requests, max_len=max_len,
+                    block_size=drafter.block_size, eos_ids=target.eos_token_ids)
+    app = create_app(target, engine, api_key=api_key)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(target_fp32):
+    with serving(target_fp32, load_drafter("ngram", target_fp32)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def plain(target, prompt_ids, n):
+    ids, _ = generate_ids(target.model, prompt_ids, SamplingParams(temperature=0), n, PlainDrafter(),
+                          eos_ids=target.eos_token_ids)
+    return ids
+
+
+def post(url, body, headers=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_greedy_completion_equals_plain_decoding(client, target_fp32):
+    tok = target_fp32.tokenizer
+    for prompt in PROMPTS[:2]:
+        ids = tok(prompt)["input_ids"]
+        want = plain(target_fp32, ids, 24)
+        r = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+        assert r.choices[0].finish_reason == ("stop" if want[-1] in target_fp32.eos_token_ids else "length")
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want))
+    # token-id prompts and echo
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[1] + tok.decode(want[:8], skip_special_tokens=True)
+
+
+def test_chat_stream_equals_whole_response(client):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=30,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_strings_cut_before_the_first_occurrence(client, target_fp32):
+    tok = target_fp32.tokenizer
+    full = tok.decode(plain(target_fp32, tok(PROMPTS[0])["input_ids"], 40), skip_special_tokens=True)
+    stop = full[12:17]          # spans tokens: held back while it could still be a stop string
+    want = full[:full.find(stop)]
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                  stop=[stop, "never appears \u2603"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    parts = list(client.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[0], max_tokens=40,
+                                           temperature=0, stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == want
+    assert parts[-1].choices[0].finish_reason == "stop"
+
+
+def test_text_stream_holds_back_incomplete_characters_and_stop_prefixes(target_fp32):
+    tok = target_fp32.tokenizer
+    ids = tok("naïve café ☃ snowman end")["input_ids"]
+    s = TextStream(tok, ["snow"])
+    out = "".join(s.add([t]) for t in ids) + s.finish()
+    assert out == "naïve café ☃ " and s.stopped
+    s = TextStream(tok)
+    pieces = [s.add([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + s.finish() == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_concurrent_requests_queue_and_match_plain(server, client, target_fp32):
+    tok = target_fp32.tokenizer
+    want = {p: tok.decode(plain(target_fp32, tok(p)["input_ids"], 16), skip_special_tokens=True) for p in PROMPTS}
+    got = {}
+
+    def one(p):
+        got[p] = client.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=16,
+                                           temperature=0).choices[0].text
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]   # 5 requests, 2 slots
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+    # several prompts in one request: one choice each, in order
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[:3], max_tokens=16, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [want[p] for p in PROMPTS[:3]]
+
+
+def test_seeded_choices_are_reproducible(target_fp32):
+    with serving(target_fp32, PlainDrafter()) as (url, _):
+        c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        runs = [[ch.text for ch in c.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[4], max_tokens=12, temperature=1.0,
+                                                         seed=7, n=2).choices] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 2
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "bogus": 1}, 400, "unknown field 'bogus'"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": [10 ** 9]}, 400, "vocabulary"),
+    ({"prompt": "hi", "max_tokens": 10 ** 6}, 400, "maximum context length"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "penalty"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+])
+def test_bad_requests_get_clear_errors(server, body, status, says):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    code, out = post(server[0] + path, body)
+    assert code == status
+    assert says in out["error"]["message"], out
+    wait_idle(server[1], 10)      # nothing was submitted, or it ended
+
+
+def wait_idle(srv, seconds):
+    deadline = time.time() + seconds
+    while not srv.worker.idle or srv.engine.has_work():
+        assert time.time() < deadline, "a request still runs"
+        time.sleep(0.05)
+
+
+def test_malformed_json_and_the_openai_client_errors(server, client):
+    code, out = post(server[0] + "/v1/completions", b"{not json")
+    assert code == 400 and "not valid JSON" in out["error"]["message"]
+    with pytest.raises(BadRequestError, match="temperature"):
+        client.completions.create(model="smollm2-135m-instruct", prompt="hi", temperature=-2)
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_api_key(target_fp32):
+    with serving(target_fp32, PlainDrafter(), api_key="sesame") as (url, _):
+        code, out = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert code == 401 and out["error"]["type"] == "authentication_error"
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+        assert ok.completions.create(model="smollm2-135m-instruct", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200   # health needs no key
+
+
+def test_dropped_stream_cancels_its_request(server):
+    url, srv = server
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPTS[3], "max_tokens": 480, "stream": True,
+                                                        "ignore_eos": True, "temperature": 1}),
+                 {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()                # the client goes away mid-stream (480 tokens would take over 10 s)
+    wait_idle(srv, 5)
+    assert srv.engine.cache.num_free == srv.engine.cache.num_slots
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    assert 'dspark:request_success_total{finished_reason="abort"}' in text
+
+
+def test_models_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+    client.completions.create(model="smollm2-135m-instruct", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    text = urllib.request.urlopen(server[0] + "/metrics", timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["dspark:spec_decode_num_draft_tokens_total"] > 0
+    assert values["dspark:generation_tokens_total"] >= 16
+    assert values["dspark:num_requests_running"] == 0
+
+
+def test_serve_flags_fail_before_loading_anything():
+    from dspark.cli import main
+    assert main(["serve", "--policy", "bogus"]) == 2
+    assert main(["serve", "--port", "70000"]) == 2
+    assert main(["serve", "--max-requests", "0"]) == 2
