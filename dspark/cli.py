@@ -154,6 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--markdown", default=None, help="also write the table to this file")
 
+    sb = bsub.add_parser("serving", help="closed-loop streaming clients against an OpenAI-compatible endpoint "
+                                         "(ours in this process by default)")
+    sb.add_argument("--endpoint", default=None, help="base URL of any OpenAI-compatible server, e.g. "
+                                                     "http://host:8000/v1 (default: start `dspark serve` here)")
+    sb.add_argument("--model", default=None, help="model name at the endpoint (default: its first)")
+    sb.add_argument("--api-key", default=None)
+    sb.add_argument("--concurrency", type=_int_list(1), default="1,4,16")
+    sb.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
+    sb.add_argument("--num-prompts", type=_positive_int, default=32)
+    sb.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    sb.add_argument("--temperature", type=_float, default=0.0)
+    sb.add_argument("--seed", type=_non_negative_int, default=0)
+    sb.add_argument("--drafter", default="auto", help="our server's drafter (as for `dspark serve`)")
+    sb.add_argument("--policy", default="auto", help="our server's policy (as for `dspark serve`)")
+    sb.add_argument("--against-engine", action="store_true",
+                    help="also run the prompts through the engine directly (server, engine, server) and report "
+                         "the server's total tokens/s over the engine's")
+    _add_model_flags(sb)
+    sb.set_defaults(threads=2)
+    sb.add_argument("--json", action="store_true")
+
     c = bsub.add_parser("concurrency", help="closed-loop clients through the engine, per policy")
     c.add_argument("--repeats", type=_positive_int, default=1,
                    help="run the policies this many times per concurrency (each time all of them "
@@ -310,6 +331,9 @@ def cmd_bench(args) -> int:
     if args.bench == "concurrency":
         from .evaluation.concurrency import run_concurrency_bench
         return run_concurrency_bench(args)
+    if args.bench == "serving":
+        from .evaluation.serving import run_serving_bench
+        return run_serving_bench(args)
     raise UsageError(f"unknown benchmark {args.bench!r}")
 
 

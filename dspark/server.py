@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -102,7 +102,13 @@ class Job:
 
 
 class EngineWorker:
-    """The engine on its own thread; ``submit`` and ``cancel`` may be called from any thread."""
+    """Runs the engine: ``run`` steps it on the calling thread until ``close``; ``submit`` and
+    ``cancel`` may be called from any thread. ``dspark serve`` runs it on the main thread, the HTTP
+    server on another: on CPUs, torch's OpenMP products run 2 - 3x slower when a thread other
+    than the main one drives them with more than one thread (a 1-row bf16 product at 2 threads on
+    the AMD EPYC VM: 40 us from the main thread, 100 - 150 us from another, 46 us from another at
+    one thread), so an engine on a side thread decoded at 0.65x its speed. ``start`` runs it on a
+    thread of its own instead (tests)."""
 
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine = engine
@@ -111,16 +117,18 @@ class EngineWorker:
         self._wake = threading.Condition()
         self._closed = False
         self._jobs: dict[int, Job] = {}
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread = None
 
     def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="dspark-engine", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def submit(self, job: Job) -> Job:
         self._command(("add", job))
@@ -138,12 +146,16 @@ class EngineWorker:
     def idle(self) -> bool:
         return not self._jobs and not self._commands
 
-    def _run(self) -> None:
+    def run(self, alive=None) -> None:
+        """Step the engine while requests are in flight, until ``close`` (or until ``alive()``, asked
+        every half second while idle, turns false)."""
         eng = self.engine
         while True:
             with self._wake:
                 while not self._commands and not eng.has_work() and not self._closed:
-                    self._wake.wait()
+                    self._wake.wait(0.5)
+                    if alive is not None and not alive():
+                        self._closed = True
                 if self._closed:
                     break
                 commands = list(self._commands)
@@ -330,14 +342,17 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (whose target is ``target.model``); the engine thread runs
-    for the app's lifetime."""
+def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None,
+               engine_thread: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine`` (whose target is ``target.model``). ``engine_thread``: the
+    engine steps on a thread of its own for the app's lifetime; else the caller runs
+    ``app.state.server.worker.run()`` on its thread (the main one: see EngineWorker)."""
     srv = Server(target, engine, model_name or target.name, api_key)
 
     @asynccontextmanager
     async def lifespan(app):
-        srv.worker.start()
+        if engine_thread:
+            srv.worker.start()
         try:
             yield
         finally:
@@ -456,8 +471,42 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     return app
 
 
+@contextmanager
+def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    """Serve ``app`` from a thread of this process (port 0: a free one); yields its base URL and
+    the uvicorn server."""
+    import socket
+
+    import uvicorn
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DsparkError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dspark-http", daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        if not thread.is_alive() or time.time() > deadline:
+            raise DsparkError("the HTTP server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}", server
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+
+
 def serve(target, engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           api_key: str | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted."""
-    import uvicorn
-    uvicorn.run(create_app(target, engine, model_name, api_key), host=host, port=port, log_level=log_level)
+    """Serve until interrupted: HTTP on a side thread, the engine on this (main) thread."""
+    app = create_app(target, engine, model_name, api_key, engine_thread=False)
+    with in_thread(app, host, port, log_level) as (url, server):
+        try:
+            app.state.server.worker.run(alive=lambda: not server.should_exit)
+        except KeyboardInterrupt:
+            pass

@@ -5,7 +5,6 @@ and the metrics."""
 
 import http.client
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -13,7 +12,6 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-import uvicorn
 from openai import OpenAI, BadRequestError, AuthenticationError, NotFoundError
 
 from dspark.drafters import load_drafter
@@ -22,7 +20,7 @@ from dspark.engine import Engine
 from dspark.generation import generate_ids
 from dspark.protocol import TextStream
 from dspark.sampling import SamplingParams
-from dspark.server import create_app
+from dspark.server import create_app, in_thread
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Here is a list of fruits:", "import numpy as np\n",
            "Once upon a time"]
@@ -33,21 +31,8 @@ def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None):
     engine = Engine(target.model, drafter, max_requests=max_requests, max_len=max_len,
                     block_size=drafter.block_size, eos_ids=target.eos_token_ids)
     app = create_app(target, engine, api_key=api_key)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.server
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with in_thread(app) as (url, _):
+        yield url, app.state.server
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +226,17 @@ def test_serve_flags_fail_before_loading_anything():
     assert main(["serve", "--policy", "bogus"]) == 2
     assert main(["serve", "--port", "70000"]) == 2
     assert main(["serve", "--max-requests", "0"]) == 2
+
+
+def test_bench_serving_runs_the_server_as_serve_does(capsys):
+    """`dspark bench serving` on our server (engine on the main thread, HTTP and clients on others),
+    beside the engine alone; also the check that --against-engine needs our own server."""
+    from dspark.cli import main
+    assert main(["bench", "serving", "--concurrency", "2", "--num-prompts", "3", "--max-new-tokens", "4",
+                 "--drafter", "ngram", "--dtype", "fp32", "--against-engine", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = out["results"]
+    assert [r["system"] for r in rows] == ["server", "engine", "server"]
+    assert all(r["requests"] == 3 and 3 <= r["tokens"] <= 12 for r in rows)
+    assert rows[1]["server_over_engine"] > 0
+    assert main(["bench", "serving", "--endpoint", "http://127.0.0.1:9/v1", "--against-engine"]) == 2

@@ -1,0 +1,178 @@
+"""``dspark bench serving``: closed-loop clients against an OpenAI-compatible endpoint.
+
+At concurrency C, C client threads each keep one streaming chat request in flight (the `openai`
+client, as an application would) until ``num_prompts`` requests have run. Reported per
+concurrency: total tokens/s (completion tokens over the wall time), per-user tokens/s (mean over
+requests of tokens over latency), time to first token (median and 90th percentile) and latency.
+
+``--endpoint URL`` measures any server (ours, vLLM, SGLang); without it the bench starts
+`dspark serve` in this process on a free port, a fresh engine per run. ``--against-engine`` then
+also runs the same prompts through the engine directly (`bench concurrency`'s closed loop: no
+HTTP, no tokenizer round trip), in the order server, engine, server, and reports the server's
+total tokens/s over the engine's: what the HTTP layer costs (on a small CPU, the client threads
+run on the same cores as the engine).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+
+from ..errors import UsageError
+
+
+def _closed_loop(base_url: str, model: str, api_key: str, messages: list, concurrency: int,
+                 max_tokens: int, temperature: float, seed: int) -> dict:
+    from openai import OpenAI
+    client = OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=600)
+    todo = list(enumerate(messages))
+    lock = threading.Lock()
+    rows, errors = [], []
+
+    def worker():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, msg = todo.pop(0)
+            t0 = time.perf_counter()
+            ttft, tokens = None, 0
+            try:
+                for chunk in client.chat.completions.create(
+                        model=model, messages=msg, max_tokens=max_tokens, temperature=temperature, seed=seed + i,
+                        stream=True, stream_options={"include_usage": True}):
+                    if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                        ttft = time.perf_counter() - t0
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+            except Exception as e:      # noqa: BLE001 - reported, the run goes on
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                continue
+            with lock:
+                rows.append((tokens, ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise UsageError(f"{len(errors)} of {len(messages)} requests failed; first: {errors[0]}")
+    ttfts = sorted(r[1] for r in rows)
+    return {"concurrency": concurrency, "requests": len(rows), "tokens": sum(r[0] for r in rows),
+            "wall_seconds": wall, "total_tokens_per_second": sum(r[0] for r in rows) / wall,
+            "per_user_tokens_per_second": statistics.mean(r[0] / r[2] for r in rows),
+            "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2], "ttft_p90_ms": 1e3 * ttfts[int(0.9 * (len(ttfts) - 1))],
+            "latency_mean_s": statistics.mean(r[2] for r in rows)}
+
+
+def local_run(target, drafter, policy, max_requests: int, max_len: int, cost_table, client) -> dict:
+    """`dspark serve` in this process on a free port, a fresh engine, as `dspark serve` runs it (the
+    engine on this thread, HTTP on another); ``client(base_url)`` runs on a third thread."""
+    from ..engine import Engine
+    from ..server import create_app, in_thread
+    drafter.reset()
+    engine = Engine(target.model, drafter, policy, max_requests=max_requests, max_len=max_len,
+                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=cost_table)
+    app = create_app(target, engine, engine_thread=False)
+    worker = app.state.server.worker
+    out: dict = {}
+    with in_thread(app) as (url, _):
+        def drive():
+            try:
+                out["result"] = client(url + "/v1")
+            except Exception as e:      # noqa: BLE001 - raised below, on this thread
+                out["error"] = e
+            finally:
+                worker.close()
+        thread = threading.Thread(target=drive, name="dspark-bench-clients")
+        thread.start()
+        worker.run()
+        thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def run_serving_bench(args) -> int:
+    from ..data import load_prompts
+    texts = []
+    for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
+        texts.extend(load_prompts(d))
+    texts = (texts * (args.num_prompts // len(texts) + 1))[:args.num_prompts]
+    messages = [[{"role": "user", "content": t}] for t in texts]
+    results = []
+    if args.endpoint:
+        if args.against_engine:
+            raise UsageError("--against-engine runs our engine in this process: leave out --endpoint")
+        model = args.model
+        if model is None:
+            from openai import OpenAI
+            model = OpenAI(base_url=args.endpoint, api_key=args.api_key or "unused", max_retries=0).models.list().data[0].id
+        for c in args.concurrency:
+            results.append({"system": "endpoint", **_closed_loop(args.endpoint, model, args.api_key, messages, c,
+                                                                  args.max_new_tokens, args.temperature, args.seed)})
+            _report(results[-1])
+    else:
+        results = _local(args, messages, texts)
+    if args.json:
+        print(json.dumps({"endpoint": args.endpoint, "results": results}))
+    return 0
+
+
+def _local(args, messages, texts) -> list[dict]:
+    from ..api import encode_prompt
+    from ..drafters import load_drafter
+    from ..runtime.loading import target_from_args
+    from ..sampling import SamplingParams
+    from ..scheduling.policies import make_policy
+    from ..scheduling.sps import CostTable, table_key_for
+    from .concurrency import run_closed_loop
+    make_policy("fixed" if args.policy == "auto" else args.policy)     # a bad name fails before loading
+    target = target_from_args(args)
+    drafter = load_drafter(args.drafter, target)
+    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
+    pname = args.policy if args.policy != "auto" else ("prefix" if table is not None else "fixed")
+    ids = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
+    max_len = max(map(len, ids)) + args.max_new_tokens + drafter.block_size + 2
+    results = []
+    for c in args.concurrency:
+        runs = ["server", "engine", "server"] if args.against_engine else ["server"]
+        got = []
+        for system in runs:
+            policy = make_policy(pname, drafter.block_size, cost_table=table)
+            if system == "server":
+                r = local_run(target, drafter, policy, c, max_len, table,
+                              lambda url: _closed_loop(url, target.name, None, messages, c, args.max_new_tokens,
+                                                       args.temperature, args.seed))
+            else:
+                # the engine's own loop seeds every request alike; the server's requests each get seed + i
+                params = SamplingParams(temperature=args.temperature, seed=args.seed)
+                e = run_closed_loop(target, drafter, policy, ids, c, args.max_new_tokens, params, drafter.block_size,
+                                    cost_table=table)
+                r = {k: e[k] for k in ("concurrency", "requests", "tokens", "wall_seconds",
+                                       "total_tokens_per_second", "per_user_tokens_per_second")}
+            r = {"system": system, "drafter": drafter.name, "policy": pname, **r}
+            got.append(r)
+            _report(r)
+        if args.against_engine:
+            servers = [g["total_tokens_per_second"] for g in got if g["system"] == "server"]
+            got[1]["server_over_engine"] = statistics.mean(servers) / got[1]["total_tokens_per_second"]
+            print(f"concurrency {c:>3}: server / engine total tokens/s {got[1]['server_over_engine']:.3f}",
+                  file=sys.stderr)
+        results.extend(got)
+    return results
+
+
+def _report(r: dict) -> None:
+    line = (f"concurrency {r['concurrency']:>3} {r['system']:>8}: total {r['total_tokens_per_second']:.1f} tok/s, "
+            f"per user {r['per_user_tokens_per_second']:.1f} tok/s")
+    if "ttft_p50_ms" in r:
+        line += f", TTFT p50 {r['ttft_p50_ms']:.0f} ms, p90 {r['ttft_p90_ms']:.0f} ms"
+    print(line, file=sys.stderr)
