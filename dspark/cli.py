@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--seed", type=_non_negative_int, default=0)
     sb.add_argument("--drafter", default="auto", help="our server's drafter (as for `dspark serve`)")
     sb.add_argument("--policy", default="auto", help="our server's policy (as for `dspark serve`)")
+    sb.add_argument("--repeats", type=_positive_int, default=1,
+                    help="runs per concurrency (with --against-engine: engine runs, each between two server runs)")
     sb.add_argument("--against-engine", action="store_true",
                     help="also run the prompts through the engine directly (server, engine, server) and report "
                          "the server's total tokens/s over the engine's")

@@ -1,15 +1,16 @@
 """``dspark bench serving``: closed-loop clients against an OpenAI-compatible endpoint.
 
 At concurrency C, C client threads each keep one streaming chat request in flight (plain HTTP,
-reading the server-sent events as they come) until ``num_prompts`` requests have run. Reported per
+reading the server-sent events as they come) until ``num_prompts`` requests have run, the
+datasets' prompts taken in turn (one of each, then the second of each, ...). Reported per
 concurrency: total tokens/s (completion tokens over the wall time), per-user tokens/s (mean over
 requests of tokens over latency), time to first token (median and 90th percentile) and latency.
 
 ``--endpoint URL`` measures any server (ours, vLLM, SGLang); without it the bench starts
 `dspark serve` in this process on a free port, a fresh engine per run. ``--against-engine`` then
 also runs the same prompts through the engine directly (`bench concurrency`'s closed loop: no
-HTTP, no tokenizer round trip), in the order server, engine, server, and reports the server's
-total tokens/s over the engine's: what the HTTP layer costs (on a small CPU, the client threads
+HTTP, no tokenizer round trip), alternating: server, engine, server, ... (``--repeats`` engine
+runs), and reports the server's total tokens/s over the engine's: what the HTTP layer costs (on a small CPU, the client threads
 run on the same cores as the engine).
 """
 
@@ -142,10 +143,11 @@ def local_run(target, drafter, policy, max_requests: int, max_len: int, cost_tab
 
 def run_serving_bench(args) -> int:
     from ..data import load_prompts
-    texts = []
-    for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
-        texts.extend(load_prompts(d))
-    texts = (texts * (args.num_prompts // len(texts) + 1))[:args.num_prompts]
+    # the datasets in turn (prompt i from dataset i mod k), each from its first prompt on
+    sets = [load_prompts(d) for d in [x.strip() for x in args.datasets.split(",") if x.strip()]]
+    if not sets:
+        raise UsageError("--datasets names no dataset")
+    texts = [sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])] for i in range(args.num_prompts)]
     messages = [[{"role": "user", "content": t}] for t in texts]
     results = []
     if args.endpoint:
@@ -181,8 +183,14 @@ def _local(args, messages, texts) -> list[dict]:
     ids = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     max_len = max(map(len, ids)) + args.max_new_tokens + drafter.block_size + 2
     results = []
+    # untimed: the first requests of a process pay one-time costs (kernels for new shapes, first
+    # touches of the caches) that would fall on whichever system ran first
+    warm = make_policy(pname, drafter.block_size, cost_table=table)
+    local_run(target, drafter, warm, 2, max_len, table,
+              lambda url: _closed_loop(url, target.name, None, messages[:4], 2, min(16, args.max_new_tokens),
+                                       args.temperature, args.seed))
     for c in args.concurrency:
-        runs = ["server", "engine", "server"] if args.against_engine else ["server"]
+        runs = (["server", "engine"] * args.repeats + ["server"]) if args.against_engine else ["server"] * args.repeats
         got = []
         for system in runs:
             policy = make_policy(pname, drafter.block_size, cost_table=table)
@@ -201,10 +209,15 @@ def _local(args, messages, texts) -> list[dict]:
             got.append(r)
             _report(r)
         if args.against_engine:
-            servers = [g["total_tokens_per_second"] for g in got if g["system"] == "server"]
-            got[1]["server_over_engine"] = statistics.mean(servers) / got[1]["total_tokens_per_second"]
-            print(f"concurrency {c:>3}: server / engine total tokens/s {got[1]['server_over_engine']:.3f}",
-                  file=sys.stderr)
+            # each engine run against the mean of the server runs just before and after it
+            for k in range(1, len(got), 2):
+                got[k]["server_over_engine"] = (got[k - 1]["total_tokens_per_second"] + got[k + 1]["total_tokens_per_second"]) \
+                    / 2 / got[k]["total_tokens_per_second"]
+            tot = {sys_: sum(g["tokens"] for g in got if g["system"] == sys_) /
+                   sum(g["wall_seconds"] for g in got if g["system"] == sys_) for sys_ in ("server", "engine")}
+            print(f"concurrency {c:>3}: server / engine total tokens/s {tot['server'] / tot['engine']:.3f} over all runs "
+                  f"(each engine run against its neighbours: "
+                  f"{', '.join(format(g['server_over_engine'], '.3f') for g in got[1::2])})", file=sys.stderr)
         results.extend(got)
     return results
 
