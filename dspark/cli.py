@@ -293,10 +293,10 @@ def cmd_serve(args) -> int:
     engine = Engine(target.model, drafter, policy, max_requests=args.max_requests, max_len=args.max_len,
                     block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table)
     from .server import serve
-    print(f"dspark: serving {target.name} with drafter {drafter.name}, policy {policy.name}, "
-          f"{args.max_requests} requests x {args.max_len} tokens on http://{args.host}:{args.port}", file=sys.stderr)
     serve(target, engine, args.host, args.port, args.served_model_name,
-          args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level)
+          args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level,
+          banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {policy.name}, "
+                 f"{args.max_requests} requests x {args.max_len} tokens")
     return 0
 
 

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import secrets
+import sys
 import threading
 import time
 import traceback
@@ -473,8 +474,8 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
 
 @contextmanager
 def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-    """Serve ``app`` from a thread of this process (port 0: a free one); yields its base URL and
-    the uvicorn server."""
+    """Serve ``app`` from a thread of this process (port 0: a free one); yields its base URL, the
+    uvicorn server and its thread."""
     import socket
 
     import uvicorn
@@ -494,7 +495,7 @@ def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: s
             raise DsparkError("the HTTP server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://{host}:{sock.getsockname()[1]}", server
+        yield f"http://{host}:{sock.getsockname()[1]}", server, thread
     finally:
         server.should_exit = True
         thread.join(60)
@@ -502,11 +503,24 @@ def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: s
 
 
 def serve(target, engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          api_key: str | None = None, log_level: str = "info") -> None:
-    """Serve until interrupted: HTTP on a side thread, the engine on this (main) thread."""
+          api_key: str | None = None, log_level: str = "info", banner: str | None = None) -> None:
+    """Serve until SIGINT or SIGTERM: HTTP on a side thread, the engine on this (main) thread. The
+    first signal stops accepting requests and lets those in flight finish (the engine steps on
+    until the HTTP server has closed its last connection); a second one stops at once."""
+    import signal
     app = create_app(target, engine, model_name, api_key, engine_thread=False)
-    with in_thread(app, host, port, log_level) as (url, server):
+    worker = app.state.server.worker
+    with in_thread(app, host, port, log_level) as (url, server, thread):
+        if banner:
+            print(f"{banner} on {url}", file=sys.stderr, flush=True)
+
+        def stop(signum, frame):
+            if server.should_exit:
+                worker.close()
+            server.should_exit = True
+        previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            app.state.server.worker.run(alive=lambda: not server.should_exit)
-        except KeyboardInterrupt:
-            pass
+            worker.run(alive=thread.is_alive)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)

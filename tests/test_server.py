@@ -31,7 +31,7 @@ def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None):
     engine = Engine(target.model, drafter, max_requests=max_requests, max_len=max_len,
                     block_size=drafter.block_size, eos_ids=target.eos_token_ids)
     app = create_app(target, engine, api_key=api_key)
-    with in_thread(app) as (url, _):
+    with in_thread(app) as (url, _, _):
         yield url, app.state.server
 
 
@@ -240,3 +240,40 @@ def test_bench_serving_runs_the_server_as_serve_does(capsys):
     assert all(r["requests"] == 3 and 3 <= r["tokens"] <= 12 for r in rows)
     assert rows[1]["server_over_engine"] > 0
     assert main(["bench", "serving", "--endpoint", "http://127.0.0.1:9/v1", "--against-engine"]) == 2
+
+
+def test_sigterm_lets_requests_in_flight_finish():
+    """`dspark serve` in a process of its own: SIGTERM mid-stream, the stream still ends with all its
+    tokens and [DONE], and the server exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", "0", "--dtype", "fp32",
+                             "--drafter", "plain", "--max-requests", "2", "--max-len", "256", "--threads", "2",
+                             "--log-level", "warning"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for line in proc.stderr:
+            if " on http://" in line:
+                url = line.rsplit(" on ", 1)[1].strip()
+                break
+        assert url, "no banner"
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPTS[4], "max_tokens": 40, "stream": True,
+                                                            "ignore_eos": True, "temperature": 0,
+                                                            "stream_options": {"include_usage": True}}),
+                     {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        usage = [json.loads(x[6:]) for x in rest.splitlines() if '"usage"' in x][0]["usage"]
+        assert usage["completion_tokens"] == 40
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -124,7 +124,7 @@ def local_run(target, drafter, policy, max_requests: int, max_len: int, cost_tab
     app = create_app(target, engine, engine_thread=False)
     worker = app.state.server.worker
     out: dict = {}
-    with in_thread(app) as (url, _):
+    with in_thread(app) as (url, _, _):
         def drive():
             try:
                 out["result"] = client(url + "/v1")
