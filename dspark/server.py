@@ -343,6 +343,39 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+async def _respond(srv: Server, body, request: Request, choices: list[_Choice], queue, prefix: str, obj: str,
+                   chunk_obj: str, delta, opening, whole):
+    """The response of either endpoint: a stream of chunks (``opening(choice)``'s fields first, then
+    ``delta(text)`` per piece of text, the usage if asked, [DONE]) or, once every choice has ended,
+    one object (``whole(choice)`` per choice)."""
+    head = {"id": f"{prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": srv.model_name}
+
+    def chunk(ch, fields, finish=None):
+        return {**head, "object": chunk_obj,
+                "choices": [{"index": ch.index, **fields, "logprobs": None, "finish_reason": finish}]}
+
+    if body.stream:
+        async def stream():
+            try:
+                for ch in choices:
+                    for fields in opening(ch):
+                        yield _sse(chunk(ch, fields))
+                async for ch, text in srv.events(choices, queue, request):
+                    yield _sse(chunk(ch, delta(text), ch.finish_reason))
+            except ApiError as e:
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
+                return
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "object": chunk_obj, "choices": [], "usage": srv.usage(choices)})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream")
+    async for _ in srv.events(choices, queue, request):
+        pass
+    return {**head, "object": obj, "usage": srv.usage(choices),
+            "choices": [{"index": ch.index, **whole(ch), "logprobs": None, "finish_reason": ch.finish_reason}
+                        for ch in choices]}
+
+
 def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None,
                engine_thread: bool = True) -> FastAPI:
     """The FastAPI app serving ``engine`` (whose target is ``target.model``). ``engine_thread``: the
@@ -408,66 +441,19 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         prompts = [srv.prompt_ids(p) for p in body.prompt]
         echo = [srv.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
         choices, queue = srv.start(prompts, body, body.max_tokens)
-        rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-
-        def chunk(ch, text, finish=None):
-            return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-                    "choices": [{"index": ch.index, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-        if body.stream:
-            async def stream():
-                try:
-                    if body.echo:
-                        for ch in choices:
-                            yield _sse(chunk(ch, echo[ch.index // body.n]))
-                    async for ch, text in srv.events(choices, queue, request):
-                        yield _sse(chunk(ch, text, ch.finish_reason))
-                except ApiError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
-                    return
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-                                "choices": [], "usage": srv.usage(choices)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(stream(), media_type="text/event-stream")
-        async for _ in srv.events(choices, queue, request):
-            pass
-        return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-                "choices": [{"index": ch.index, "text": echo[ch.index // body.n] + ch.text.output, "logprobs": None,
-                             "finish_reason": ch.finish_reason} for ch in choices],
-                "usage": srv.usage(choices)}
+        return await _respond(srv, body, request, choices, queue, "cmpl", "text_completion", "text_completion",
+                              delta=lambda text: {"text": text},
+                              opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
+                              whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         srv.check(body)
         choices, queue = srv.start([srv.chat_ids(body)], body, body.token_limit)
-        rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-
-        def chunk(ch, delta, finish=None):
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
-                    "choices": [{"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-        if body.stream:
-            async def stream():
-                try:
-                    for ch in choices:
-                        yield _sse(chunk(ch, {"role": "assistant", "content": ""}))
-                    async for ch, text in srv.events(choices, queue, request):
-                        yield _sse(chunk(ch, {"content": text} if text else {}, ch.finish_reason))
-                except ApiError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
-                    return
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": srv.model_name, "choices": [], "usage": srv.usage(choices)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(stream(), media_type="text/event-stream")
-        async for _ in srv.events(choices, queue, request):
-            pass
-        return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
-                "choices": [{"index": ch.index, "message": {"role": "assistant", "content": ch.text.output},
-                             "logprobs": None, "finish_reason": ch.finish_reason} for ch in choices],
-                "usage": srv.usage(choices)}
+        return await _respond(srv, body, request, choices, queue, "chatcmpl", "chat.completion",
+                              "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
+                              opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],
+                              whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}})
 
     return app
 
