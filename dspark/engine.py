@@ -229,6 +229,9 @@ class Engine:
         proposals = [Proposal.empty() for _ in decode]
         if not decode:
             return proposals
+        if getattr(self.policy, "uses_free_drafts", False):   # what each request could draft at no cost
+            for r, n in zip(decode, self.drafter.free_lengths([r.ctx for r in decode])):
+                r.ctx.state["_free"] = n
         t0 = time.perf_counter()
         want = self.policy.draft_lengths(decode, self.block_size)
         self.policy_seconds += time.perf_counter() - t0

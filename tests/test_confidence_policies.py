@@ -66,6 +66,7 @@ class _Spy:
 
     def __init__(self, policy):
         self.policy, self.name, self.lengths = policy, policy.name, set()
+        self.uses_free_drafts = getattr(policy, "uses_free_drafts", False)
 
     def draft_lengths(self, requests, block_size):
         return self.policy.draft_lengths(requests, block_size)
@@ -510,3 +511,46 @@ def test_recent_running_totals_match_the_last_rows():
         for k in range(7):
             assert counts[k] == sum(len(r) > k for r in held)
             assert sums[k] == pytest.approx(sum(r[k] for r in held if len(r) > k), abs=1e-12)
+
+
+def test_vectorised_algorithm1_equals_the_loop():
+    """prefix_schedule priced by one vectorised call (sps_many) picks what the candidate-by-candidate
+    loop picks, on random monotone survivals and convex prices."""
+    import numpy as np
+    from dspark.scheduling.confidence import prefix_schedule
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        R = int(rng.integers(1, 9))
+        rows = [list(np.cumprod(rng.uniform(0.05, 1, int(rng.integers(0, 8))))) for _ in range(R)]
+        base, slope, curve = rng.uniform(0.5, 2), rng.uniform(0, 0.3), rng.uniform(0, 0.02)
+
+        def price(B):
+            return base + slope * (B - R) + curve * (B - R) ** 2
+        assert prefix_schedule(rows, lambda B: 1 / price(B)) == \
+            prefix_schedule(rows, lambda B: 1 / price(B), sps_many=lambda Bs: 1 / price(np.asarray(Bs, float)))
+
+
+def test_prefix_verifies_free_lookup_proposals_by_their_own_acceptance():
+    """With the hybrid drafter's lookup serving, the prefix policy drafts the free proposals even
+    where the trained drafter's call does not pay, learns their acceptance apart from the drafter's
+    (starting at 1/2), and keeps the target's distribution."""
+    from dspark.drafters import HybridDrafter, NgramDrafter
+    target = tiny_target(scale=3.0)
+    model = DSparkDrafter(tiny_drafter_model(target, scale=2.0), target)
+    hybrid = HybridDrafter(NgramDrafter(block_size=3, history_tokens=0), model, min_match=1)
+    dear = CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.02, 1.06], [1.4, 1.45, 1.55], [2.5, 2.6, 2.8]]],
+                     draft=[[[0, 5.0, 5.0], [0, 5.0, 5.0], [0, 5.0, 5.0]]])    # the trained call never pays
+    spy = _Spy(make_policy("prefix", 3, cost_table=dear))
+    prompt, n_new, draws = [2, 0, 1, 2, 0, 1, 4], 4, 3000
+    engine = Engine(target, hybrid, spy, max_requests=32, block_size=3, max_len=16, cost_table=dear)
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new) for s in range(draws)]
+    engine.run()
+    lookup, trained = hybrid.served
+    assert lookup > draws and trained < lookup / 20, hybrid.served     # probes only
+    assert len(spy.lengths) >= 3 and sum(r.stats.num_accepted_tokens for r in reqs) > draws * 0.2
+    assert spy.policy.free_profile.tries[0] > 100
+    counts = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert chi2_pvalue(counts, exact_law(target, prompt, n_new, SamplingParams(temperature=1.0, top_k=4), VOCAB)) > 1e-3

@@ -21,13 +21,14 @@ class Proposal:
     tokens: torch.Tensor                      # [k] long
     probs: torch.Tensor | None = None         # [k, V] fp32 the tokens were drawn from; None = point masses
     confidences: torch.Tensor | None = None   # [k]: P(token j survives | tokens < j survived)
+    free: bool = False                        # made without a drafter forward (a lookup): costs nothing to draft
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def truncate(self, n: int) -> "Proposal":
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                        None if self.confidences is None else self.confidences[:n])
+                        None if self.confidences is None else self.confidences[:n], self.free)
 
     @staticmethod
     def empty() -> "Proposal":
@@ -60,6 +61,12 @@ class Drafter:
 
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
         raise NotImplementedError
+
+    def free_lengths(self, contexts: list[DraftContext]) -> list[int]:
+        """How many tokens each request could be proposed this round without a drafter forward (a
+        lookup's), asked before the policy sets ``num_draft``; the proposal itself comes from
+        ``propose`` as usual. Only a cost-weighing policy asks."""
+        return [0] * len(contexts)
 
     def release(self, context: DraftContext) -> None:
         """The request ended (finished or cancelled): free what it held."""

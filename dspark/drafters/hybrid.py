@@ -36,14 +36,21 @@ class HybridDrafter(Drafter):
         self.lookup.prepare(max_requests, max_len)
         self.model.prepare(max_requests, max_len)
 
+    def free_lengths(self, contexts: list[DraftContext]) -> list[int]:
+        """The lookup's proposal length where the lookup would serve the request, else 0."""
+        out = []
+        for ctx in contexts:
+            p, n = self.lookup.match(ctx)
+            out.append(len(p) if n >= self.min_match else 0)
+        return out
+
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
-        history = self.lookup.history if len(self.lookup.history) else None
         out: list[Proposal | None] = []
         rest = []
         for i, ctx in enumerate(contexts):
-            p, n = self.lookup.match(ctx, history) if ctx.num_draft > 0 else (Proposal.empty(), 0)
+            p, n = self.lookup.match(ctx) if ctx.num_draft > 0 else (Proposal.empty(), 0)
             if n >= self.min_match and len(p):
-                out.append(p)
+                out.append(p.truncate(ctx.num_draft))
             else:
                 out.append(None)
                 rest.append(i)

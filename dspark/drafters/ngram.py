@@ -127,28 +127,41 @@ class NgramDrafter(Drafter):
         self.history_tokens = history_tokens
         self.history_min_ngram = history_min_ngram
         self.history = History()
+        self._version = 0       # bumped whenever the history changes (cached lookups are stale then)
 
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
-        out = []
-        history = self.history if len(self.history) else None
-        for ctx in contexts:
-            out.append(self.match(ctx, history)[0] if ctx.num_draft > 0 else Proposal.empty())
-        return out
+        return [self.match(ctx)[0].truncate(ctx.num_draft) if ctx.num_draft > 0 else Proposal.empty()
+                for ctx in contexts]
 
-    def match(self, ctx: DraftContext, history: History | None = None) -> tuple[Proposal, int]:
-        """(the proposal for one request, the length of the suffix match it copies; 0: none)."""
+    def free_lengths(self, contexts: list[DraftContext]) -> list[int]:
+        return [len(self.match(ctx)[0]) for ctx in contexts]     # a lookup costs no forward
+
+    def match(self, ctx: DraftContext) -> tuple[Proposal, int]:
+        """(the proposal for one request, up to max(block_size, num_draft) tokens; the length of the
+        suffix match it copies, 0: none). Kept in the request's state until its text or the history
+        changes: the policy may ask (``free_lengths``) before the round's ``propose``, and a shorter
+        lookup is a prefix of a longer one."""
+        want = max(self.block_size, ctx.num_draft)
+        key = (len(ctx.tokens), self._version, want)
+        got = ctx.state.get("_lookup")
+        if got is not None and got[0] == key:
+            return got[1], got[2]
         toks = np.asarray(ctx.tokens, dtype=np.int64)
-        cont, n = lookup(toks, ctx.num_draft, self.max_ngram, self.min_ngram, self.rule,
-                         history, self.history_min_ngram)
+        cont, n = lookup(toks, want, self.max_ngram, self.min_ngram, self.rule,
+                         self.history if len(self.history) else None, self.history_min_ngram)
         if n == 1:
             cont = cont[:self.weak_match_tokens]
-        return Proposal(torch.from_numpy(cont.copy())), n
+        p = Proposal(torch.from_numpy(cont.copy()), free=True)
+        ctx.state["_lookup"] = (key, p, n)
+        return p, n
 
     def release(self, context: DraftContext) -> None:
         """Remember the ended request's text (the newest ``history_tokens`` tokens are kept)."""
         if not self.history_tokens or not context.tokens:
             return
         self.history = self.history.extended(context.tokens, self.history_tokens)
+        self._version += 1
 
     def reset(self) -> None:
         self.history = History()
+        self._version += 1

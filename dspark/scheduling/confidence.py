@@ -75,6 +75,26 @@ class _Profile:
         return out
 
 
+class _FreeProfile:
+    """Conditional acceptance per position of free (lookup) proposals, from their verified tokens:
+    position k counts a try when tokens 1..k-1 were accepted, a hit when k was too. Starts at 1/2."""
+
+    def __init__(self, block: int):
+        self.tries = [1.0] * block
+        self.hits = [0.5] * block
+
+    def observe(self, verified: int, accepted: int) -> None:
+        for k in range(min(verified, len(self.tries))):
+            self.tries[k] += 1
+            if accepted > k:
+                self.hits[k] += 1
+            else:
+                break
+
+    def conditional(self) -> list[float]:
+        return [min(0.999, h / t) for h, t in zip(self.hits, self.tries)]
+
+
 def _record(requests, lengths) -> None:
     for r, n in zip(requests, lengths):
         if n > 0:
@@ -133,8 +153,9 @@ class EMAPolicy(Policy):
 
 
 def _drafted(proposals) -> tuple[int, float]:
-    """(how many requests drafted, their mean draft length)."""
-    lengths = [len(p) for p in proposals if len(p)]
+    """(how many requests drafted with the drafter's forward, their mean draft length): a lookup's
+    free proposals cost no drafter call."""
+    lengths = [len(p) for p in proposals if len(p) and not p.free]
     return len(lengths), sum(lengths) / max(1, len(lengths))
 
 
@@ -161,15 +182,29 @@ def _sorted_candidates(survivals: list[list[float]]):
     return cands
 
 
-def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True) -> list[int]:
+def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, sps_many=None) -> list[int]:
     """Algorithm 1. ``sps(B)``: steps/s at B verified tokens. Returns lengths l_r.
-    ``early_stop=False`` is the biased full search of Appendix A (kept for the test that shows it)."""
+    ``early_stop=False`` is the biased full search of Appendix A (kept for the test that shows it).
+    ``sps_many(Bs)``: the same for an array of B at once (one vectorised pricing of every candidate
+    prefix instead of one call per candidate; the same answer)."""
     R = len(survivals)
+    cands = _sorted_candidates(survivals)
+    if sps_many is not None and early_stop:
+        if not cands:
+            return [0] * R
+        a = np.fromiter((c[0] for c in cands), float, len(cands))
+        theta = (R + np.cumsum(a)) * sps_many(R + np.arange(1, len(cands) + 1))
+        prev = np.concatenate([[R * sps(R)], theta[:-1]])
+        worse = np.flatnonzero(theta <= prev)     # the first candidate that does not improve stops it
+        lengths = [0] * R
+        for _, j, i in cands[:int(worse[0]) if worse.size else len(cands)]:
+            lengths[i] = j + 1   # survivals fall along a row: a request's candidates come in position order
+        return lengths
     lengths = [0] * R
     B, tau = R, float(R)
     best = tau * sps(B)
     best_lengths = list(lengths)
-    for a, j, i in _sorted_candidates(survivals):
+    for a, j, i in cands:
         if lengths[i] != j:          # cannot happen with monotone survivals; keeps prefixes whole
             continue
         B += 1
@@ -401,12 +436,22 @@ class PrefixPolicy(_ProfiledPolicy):
     more than they return) the engine runs plain decoding, with a one-token probe now and then."""
 
     name = "prefix"
+    # the engine tells it, before it decides, what each request could draft for nothing (a lookup's
+    # proposal: the n-gram drafter's, or the hybrid's where its lookup matches): those are always
+    # drafted, and Algorithm 1 verifies of them what pays for its share of the target's step
+    uses_free_drafts = True
     # while drafting pays, the depth found holds for up to this many steps, as long as the number of
     # requests and the context column stay and fewer than 1/8 of the recent proposals it read were
     # replaced since (with few requests, a handful of proposals a step move the pools little); the
     # search, run right after a target forward has evicted the CPU caches, is most of the policy's
     # decision time (0.37 of 0.48 ms a step at one request on the AMD EPYC VM)
     search_every = 4
+
+    @property
+    def free_profile(self) -> "_FreeProfile":
+        if getattr(self, "_free_profile", None) is None:
+            self._free_profile = _FreeProfile(16)
+        return self._free_profile
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
@@ -422,12 +467,21 @@ class PrefixPolicy(_ProfiledPolicy):
                 self._found(depth > 0)
                 self._held = (key, 1, self._recent.added, depth) if depth else None
         if not depth:
-            return self._drafting(requests, self._probe(requests))
+            return self._with_free(requests, self._probe(requests), block_size)
         self._idle = 0
         if self._reference_due():
             return self._drafting(requests, [0] * len(requests))
-        return self._drafting(requests, [min(depth, r.ctx.state.get("_last_verified", depth - 1) + 2)
-                                         for r in requests])
+        return self._with_free(requests, [min(depth, r.ctx.state.get("_last_verified", depth - 1) + 2)
+                                          for r in requests], block_size)
+
+    def _with_free(self, requests, want: list[int], block_size: int) -> list[int]:
+        """``want`` for the drafter's forward; a request with a free proposal drafts all of it
+        instead (and hands the drafter no context rows this step)."""
+        free = [r.ctx.state.get("_free", 0) for r in requests]
+        if self._probed is not None and free[self._probed]:
+            self._probed = None         # the lookup serves it: no probe of the drafter this step
+        self._drafting(requests, [0 if f else w for w, f in zip(want, free)])
+        return [min(f, block_size) if f else w for w, f in zip(want, free)]
 
     def _draft_depth(self, requests, cap: int) -> int:
         """How deep drafting can pay this step: the depth d maximising the expected tokens per second
@@ -460,23 +514,59 @@ class PrefixPolicy(_ProfiledPolicy):
         if not requests:
             return []
         prof = self.profile.conditional()
-        surv = [_survivals(p, prof) for p in proposals]
+        self._settle_free(requests)
+        free_prof = self.free_profile.conditional()
+        surv = [_survivals(p, free_prof if p.free else prof) for p in proposals]
         self._note_proposals(proposals, surv)
         drafting, depth = _drafted(proposals)
-        if self._probed is not None:
-            lengths = self._probe_lengths(proposals)
-        else:
-            # the drafter's call is paid already: a longer verification costs only the target's part
-            ctx = _context(requests)
-            R = len(requests)
-            lengths = prefix_schedule(surv, lambda B: 1.0 / self.cost.seconds(R, B - R, ctx, drafting, depth,
-                                                                              self._rows))
-        for r, p, n in zip(requests, proposals, lengths):
+        # the drafter's call is paid already: a longer verification costs only the target's part
+        ctx, R = _context(requests), len(requests)
+
+        def sps(B):
+            return 1.0 / self.cost.seconds(R, B - R, ctx, drafting, depth, self._rows)
+
+        def sps_many(Bs):
+            return 1.0 / self.cost.seconds_of_extras(R, Bs - R, ctx, drafting, depth, self._rows)
+        if self._probed is None:
+            lengths = prefix_schedule(surv, sps, sps_many=sps_many)
+        else:       # the probe is verified whole; free proposals beside it as on any step
+            i = self._probed
+            lengths = (prefix_schedule([a if j != i else [] for j, a in enumerate(surv)], sps, sps_many=sps_many)
+                       if any(p.free and len(p) for p in proposals) else [0] * R)
+            lengths[i] = self._probe_lengths(proposals)[i]
+        for i, (r, p) in enumerate(zip(requests, proposals)):
+            if p.free and len(p):
+                lengths[i] = self._explore_free(r, lengths[i])
+                if lengths[i]:
+                    r.ctx.state["_free_pending"] = (lengths[i], r.stats.num_accepted_tokens)
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
-                r.ctx.state["_last_verified"] = n
+                r.ctx.state["_last_verified"] = lengths[i]
         _record(requests, lengths)
         self._expect(requests, lengths, drafting, depth)
         return lengths
+
+    def _settle_free(self, requests) -> None:
+        """Learn the free proposals' acceptance per position from what the target accepted of the
+        ones verified last step (their own profile: a lookup's acceptance is not the drafter's)."""
+        for r in requests:
+            pend = r.ctx.state.pop("_free_pending", None)
+            if pend is not None:
+                n, before = pend
+                self.free_profile.observe(n, r.stats.num_accepted_tokens - before)
+
+    def _explore_free(self, r, n: int) -> int:
+        """A request whose free proposals went unverified ``probe_every`` times verifies one token of
+        the next: the free profile keeps learning (one token costs little; never learning again
+        after a bad spell costs the lookups' whole gain)."""
+        st = r.ctx.state
+        if n:
+            st["_free_idle"] = 0
+            return n
+        st["_free_idle"] = st.get("_free_idle", 0) + 1
+        if st["_free_idle"] >= self.probe_every:
+            st["_free_idle"] = 0
+            return 1
+        return 0
 
 
 class AsyncPolicy(_ProfiledPolicy):

@@ -273,6 +273,18 @@ class CostModel:
         base, more = self.parts(requests, extra, context, drafting, depth, rows)
         return (self.pace or 1.0) * (base + more * self.extra_scale)
 
+    def seconds_of_extras(self, requests: int, extra: np.ndarray, context: int, drafting: int, depth: float,
+                          rows: int = 0) -> np.ndarray:
+        """``seconds`` at many ``extra`` of one step's drafting (Algorithm 1's candidate prefixes)."""
+        extra = np.asarray(extra, dtype=float)
+        t = self.table
+        if t is None:
+            return np.ones_like(extra)
+        base = t.target_seconds(requests, 0, context)
+        more = (t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base
+                + t.drafter_seconds(drafting, depth, context) + t.context_row * rows)
+        return (self.pace or 1.0) * (base + more * self.extra_scale)
+
     def seconds_many(self, requests: int, extra: np.ndarray, context: int, depths, rows) -> np.ndarray:
         """``seconds`` of steps in which all R requests draft d tokens and verify ``extra`` of them in
         all: ``extra`` [len(depths), n], row i at depth ``depths[i]`` with ``rows[i]`` catch-up rows.
