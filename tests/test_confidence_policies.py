@@ -520,7 +520,7 @@ def test_vectorised_algorithm1_equals_the_loop():
     from dspark.scheduling.confidence import prefix_schedule
     rng = np.random.default_rng(0)
     for _ in range(2000):
-        R = int(rng.integers(1, 9))
+        R = int(rng.integers(1, 17))      # up to 16 x 7 candidates: both paths (the vectorised above 24)
         rows = [list(np.cumprod(rng.uniform(0.05, 1, int(rng.integers(0, 8))))) for _ in range(R)]
         base, slope, curve = rng.uniform(0.5, 2), rng.uniform(0, 0.3), rng.uniform(0, 0.02)
 

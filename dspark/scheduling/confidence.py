@@ -186,10 +186,10 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, 
     """Algorithm 1. ``sps(B)``: steps/s at B verified tokens. Returns lengths l_r.
     ``early_stop=False`` is the biased full search of Appendix A (kept for the test that shows it).
     ``sps_many(Bs)``: the same for an array of B at once (one vectorised pricing of every candidate
-    prefix instead of one call per candidate; the same answer)."""
+    prefix instead of one call per candidate, for many candidates; the same answer)."""
     R = len(survivals)
     cands = _sorted_candidates(survivals)
-    if sps_many is not None and early_stop:
+    if sps_many is not None and early_stop and len(cands) > 24:    # below that the loop is cheaper
         if not cands:
             return [0] * R
         a = np.fromiter((c[0] for c in cands), float, len(cands))
@@ -447,6 +447,8 @@ class PrefixPolicy(_ProfiledPolicy):
     # decision time (0.37 of 0.48 ms a step at one request on the AMD EPYC VM)
     search_every = 4
 
+    _free_pending = False       # some free proposal was verified last step (see _settle_free)
+
     @property
     def free_profile(self) -> "_FreeProfile":
         if getattr(self, "_free_profile", None) is None:
@@ -478,6 +480,8 @@ class PrefixPolicy(_ProfiledPolicy):
         """``want`` for the drafter's forward; a request with a free proposal drafts all of it
         instead (and hands the drafter no context rows this step)."""
         free = [r.ctx.state.get("_free", 0) for r in requests]
+        if not any(free):
+            return self._drafting(requests, want)
         if self._probed is not None and free[self._probed]:
             self._probed = None         # the lookup serves it: no probe of the drafter this step
         self._drafting(requests, [0 if f else w for w, f in zip(want, free)])
@@ -514,8 +518,8 @@ class PrefixPolicy(_ProfiledPolicy):
         if not requests:
             return []
         prof = self.profile.conditional()
-        self._settle_free(requests)
-        free_prof = self.free_profile.conditional()
+        any_free = self._settle_free(requests) | any(p.free for p in proposals)
+        free_prof = self.free_profile.conditional() if any_free else prof
         surv = [_survivals(p, free_prof if p.free else prof) for p in proposals]
         self._note_proposals(proposals, surv)
         drafting, depth = _drafted(proposals)
@@ -539,20 +543,26 @@ class PrefixPolicy(_ProfiledPolicy):
                 lengths[i] = self._explore_free(r, lengths[i])
                 if lengths[i]:
                     r.ctx.state["_free_pending"] = (lengths[i], r.stats.num_accepted_tokens)
+                    self._free_pending = True
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 r.ctx.state["_last_verified"] = lengths[i]
         _record(requests, lengths)
         self._expect(requests, lengths, drafting, depth)
         return lengths
 
-    def _settle_free(self, requests) -> None:
+    def _settle_free(self, requests) -> bool:
         """Learn the free proposals' acceptance per position from what the target accepted of the
-        ones verified last step (their own profile: a lookup's acceptance is not the drafter's)."""
+        ones verified last step (their own profile: a lookup's acceptance is not the drafter's).
+        True if there were any."""
+        if not self._free_pending:
+            return False
+        self._free_pending = False
         for r in requests:
             pend = r.ctx.state.pop("_free_pending", None)
             if pend is not None:
                 n, before = pend
                 self.free_profile.observe(n, r.stats.num_accepted_tokens - before)
+        return True
 
     def _explore_free(self, r, n: int) -> int:
         """A request whose free proposals went unverified ``probe_every`` times verifies one token of
