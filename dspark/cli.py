@@ -225,16 +225,14 @@ def cmd_generate(args) -> int:
     _setup_torch(args)
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
-    stream = None
+    stream = text = None
     if not args.json:
-        def stream(tokens, _tok=target.tokenizer, _buf=[]):  # noqa: B006 - print text as it comes
-            _buf.extend(tokens)
-            text = _tok.decode(_buf, skip_special_tokens=True)
-            printed = getattr(stream, "printed", 0)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[printed:])
-                sys.stdout.flush()
-                stream.printed = len(text)
+        from .protocol import TextStream
+        text = TextStream(target.tokenizer)
+
+        def stream(tokens):      # print text as it comes
+            sys.stdout.write(text.add(tokens))
+            sys.stdout.flush()
     res = generate(args.prompt, target=target, drafter=drafter, sampling=params,
                    max_new_tokens=args.max_new_tokens, chat=args.chat, num_draft=args.num_draft,
                    stream=stream)
@@ -255,7 +253,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        sys.stdout.write("\n")
+        sys.stdout.write(text.finish() + "\n")
         line = (f"[{res.drafter}] {res.num_tokens} tokens in {res.num_rounds} rounds, "
                 f"accept length {res.accept_length:.2f}, {res.tokens_per_second:.1f} tokens/s")
         if args.compare:
@@ -276,26 +274,19 @@ def cmd_serve(args) -> int:
     import os
 
     from .drafters import load_drafter
-    from .engine import Engine
     from .runtime.loading import target_from_args
-    from .scheduling.policies import make_policy
-    from .scheduling.sps import CostTable, table_key_for
+    from .server import check_policy_name, serve, serving_engine
 
     if args.port > 65535:
         raise UsageError(f"port must be at most 65535, got {args.port}")
-    make_policy("fixed" if args.policy == "auto" else args.policy)   # a bad name fails before loading
+    check_policy_name(args.policy)
     _setup_torch(args)
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
-    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
-    name = args.policy if args.policy != "auto" else ("prefix" if table is not None else "fixed")
-    policy = make_policy(name, drafter.block_size, cost_table=table)
-    engine = Engine(target.model, drafter, policy, max_requests=args.max_requests, max_len=args.max_len,
-                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table)
-    from .server import serve
+    engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len)
     serve(target, engine, args.host, args.port, args.served_model_name,
           args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level,
-          banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {policy.name}, "
+          banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {engine.policy.name}, "
                  f"{args.max_requests} requests x {args.max_len} tokens")
     return 0
 

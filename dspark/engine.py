@@ -92,8 +92,7 @@ class Engine:
             raise UsageError("prompt is empty")
         if max_new_tokens <= 0:
             raise UsageError(f"max-new-tokens must be > 0, got {max_new_tokens}")
-        need = len(prompt_ids) + max_new_tokens + self.block_size + 1
-        if need > self.cache.max_len:
+        if max_new_tokens > self.room(len(prompt_ids)):
             raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) "
                              f"exceed the per-request cache of {self.cache.max_len} tokens")
         stops = self.eos_ids if stop_ids is None else frozenset(stop_ids)
@@ -102,6 +101,11 @@ class Engine:
         req.t_start = time.perf_counter()
         self.waiting.append(req)
         return req
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a request with this prompt may ask for: its cache slot also holds the
+        drafted block of the last round and the bonus token."""
+        return self.cache.max_len - self.block_size - 1 - prompt_len
 
     def cancel(self, req: Request) -> None:
         if req.done:
@@ -229,7 +233,7 @@ class Engine:
         proposals = [Proposal.empty() for _ in decode]
         if not decode:
             return proposals
-        if getattr(self.policy, "uses_free_drafts", False):   # what each request could draft at no cost
+        if self.policy.uses_free_drafts:   # what each request could draft at no cost
             for r, n in zip(decode, self.drafter.free_lengths([r.ctx for r in decode])):
                 r.ctx.state["_free"] = n
         t0 = time.perf_counter()

@@ -239,7 +239,7 @@ class Server:
 
     def limit(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """max_tokens checked against the per-request cache (or, when absent, all that fits)."""
-        room = self.engine.cache.max_len - self.engine.block_size - 1 - len(prompt_ids)
+        room = self.engine.room(len(prompt_ids))
         if max_tokens is None:
             if room < 1:
                 raise ApiError(400, f"This model's maximum context length is {self.engine.cache.max_len} tokens; "
@@ -318,6 +318,7 @@ class Server:
                         self.worker.cancel(ch.job)
                         ch.finish_reason = "stop"
                         live -= 1
+                        self.metrics.finished.labels(finished_reason="stop").inc()
                     if text or ch.text.stopped:
                         yield ch, text
                 else:
@@ -458,6 +459,31 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     return app
 
 
+def serving_policy(target, drafter, name: str):
+    """(a fresh policy, the cost table it prices with) for --policy ``name``: "auto" = prefix where
+    `dspark profile` has measured a cost table for this target and drafter, else the whole block."""
+    from .scheduling.policies import make_policy
+    from .scheduling.sps import CostTable, table_key_for
+    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
+    if name == "auto":
+        name = "prefix" if table is not None else "fixed"
+    return make_policy(name, drafter.block_size, cost_table=table), table
+
+
+def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int) -> Engine:
+    """The engine `dspark serve` runs (``policy`` as for serving_policy)."""
+    pol, table = serving_policy(target, drafter, policy)
+    return Engine(target.model, drafter, pol, max_requests=max_requests, max_len=max_len,
+                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table)
+
+
+def check_policy_name(policy: str) -> None:
+    """A bad --policy fails before anything is loaded."""
+    from .scheduling.policies import make_policy
+    if policy != "auto":
+        make_policy(policy)
+
+
 @contextmanager
 def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
     """Serve ``app`` from a thread of this process (port 0: a free one); yields its base URL, the
@@ -476,11 +502,11 @@ def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: s
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dspark-http", daemon=True)
     thread.start()
     deadline = time.time() + 60
-    while not server.started:
-        if not thread.is_alive() or time.time() > deadline:
-            raise DsparkError("the HTTP server did not start")
-        time.sleep(0.02)
     try:
+        while not server.started:
+            if not thread.is_alive() or time.time() > deadline:
+                raise DsparkError("the HTTP server did not start")
+            time.sleep(0.02)
         yield f"http://{host}:{sock.getsockname()[1]}", server, thread
     finally:
         server.should_exit = True

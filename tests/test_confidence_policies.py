@@ -66,7 +66,7 @@ class _Spy:
 
     def __init__(self, policy):
         self.policy, self.name, self.lengths = policy, policy.name, set()
-        self.uses_free_drafts = getattr(policy, "uses_free_drafts", False)
+        self.uses_free_drafts = policy.uses_free_drafts
 
     def draft_lengths(self, requests, block_size):
         return self.policy.draft_lengths(requests, block_size)

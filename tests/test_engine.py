@@ -146,12 +146,19 @@ def test_padded_layout_gives_the_same_outputs():
     (NgramDrafter(block_size=4, rule="first", max_ngram=2, weak_match_tokens=4), FixedPolicy()),
     (NgramDrafter(block_size=4, weak_match_tokens=1), FixedPolicy()),
     (NgramDrafter(block_size=4), MTP1Policy()),
+    (NgramDrafter(block_size=4), "prefix"),       # the lookup's free proposals, verified by Algorithm 1
 ])
 def test_drafter_and_policy_variants_keep_greedy_output(drafter, policy):
     """fp32 greedy through the engine equals plain decoding for every lookup rule and policy."""
     target = _tiny(0, vocab=11, scale=4.0)
     prompts = [[1 + i, 2, 3, 1 + i, 2, 3, 4] for i in range(3)]
     plain = [generate_ids(target, p, GREEDY, 24)[0] for p in prompts]
+    if policy == "prefix":
+        from dspark.scheduling.policies import make_policy
+        from dspark.scheduling.sps import CostTable
+        table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                          seconds=[[[1.0, 1.02, 1.06], [1.4, 1.45, 1.55]]])
+        policy = make_policy("prefix", 4, cost_table=table)
     engine = Engine(target, drafter, policy, max_requests=3, max_len=64)
     reqs = [engine.add_request(p, GREEDY, 24) for p in prompts]
     engine.run()

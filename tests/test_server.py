@@ -89,7 +89,7 @@ def test_chat_stream_equals_whole_response(client):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
-def test_stop_strings_cut_before_the_first_occurrence(client, target_fp32):
+def test_stop_strings_cut_before_the_first_occurrence(server, client, target_fp32):
     tok = target_fp32.tokenizer
     full = tok.decode(plain(target_fp32, tok(PROMPTS[0])["input_ids"], 40), skip_special_tokens=True)
     stop = full[12:17]          # spans tokens: held back while it could still be a stop string
@@ -101,6 +101,9 @@ def test_stop_strings_cut_before_the_first_occurrence(client, target_fp32):
                                            temperature=0, stop=stop, stream=True))
     assert "".join(p.choices[0].text for p in parts) == want
     assert parts[-1].choices[0].finish_reason == "stop"
+    text = urllib.request.urlopen(server[0] + "/metrics", timeout=10).read().decode()
+    stops = [float(x.split()[1]) for x in text.splitlines() if x.startswith('dspark:request_success_total{finished_reason="stop"}')]
+    assert stops and stops[0] >= 2       # the two stop-string endings are counted
 
 
 def test_text_stream_holds_back_incomplete_characters_and_stop_prefixes(target_fp32):

@@ -113,14 +113,13 @@ def _closed_loop(base_url: str, model: str, api_key: str | None, messages: list,
             "latency_mean_s": statistics.mean(r[2] for r in rows)}
 
 
-def local_run(target, drafter, policy, max_requests: int, max_len: int, cost_table, client) -> dict:
-    """`dspark serve` in this process on a free port, a fresh engine, as `dspark serve` runs it (the
-    engine on this thread, HTTP on another); ``client(base_url)`` runs on a third thread."""
-    from ..engine import Engine
-    from ..server import create_app, in_thread
+def local_run(target, drafter, policy: str, max_requests: int, max_len: int, client) -> dict:
+    """`dspark serve` in this process on a free port, a fresh engine (``policy`` by name), as
+    `dspark serve` runs it (the engine on this thread, HTTP on another); ``client(base_url)`` runs
+    on a third thread."""
+    from ..server import create_app, in_thread, serving_engine
     drafter.reset()
-    engine = Engine(target.model, drafter, policy, max_requests=max_requests, max_len=max_len,
-                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=cost_table)
+    engine = serving_engine(target, drafter, policy, max_requests, max_len)
     app = create_app(target, engine, engine_thread=False)
     worker = app.state.server.worker
     out: dict = {}
@@ -172,34 +171,31 @@ def _local(args, messages, texts) -> list[dict]:
     from ..drafters import load_drafter
     from ..runtime.loading import target_from_args
     from ..sampling import SamplingParams
-    from ..scheduling.policies import make_policy
-    from ..scheduling.sps import CostTable, table_key_for
+    from ..server import check_policy_name, serving_policy
     from .concurrency import run_closed_loop
-    make_policy("fixed" if args.policy == "auto" else args.policy)     # a bad name fails before loading
+    check_policy_name(args.policy)
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target)
-    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
-    pname = args.policy if args.policy != "auto" else ("prefix" if table is not None else "fixed")
+    pname = args.policy if args.policy != "auto" else serving_policy(target, drafter, "auto")[0].name
     ids = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     max_len = max(map(len, ids)) + args.max_new_tokens + drafter.block_size + 2
     results = []
     # untimed: the first requests of a process pay one-time costs (kernels for new shapes, first
     # touches of the caches) that would fall on whichever system ran first
-    warm = make_policy(pname, drafter.block_size, cost_table=table)
-    local_run(target, drafter, warm, 2, max_len, table,
+    local_run(target, drafter, pname, 2, max_len,
               lambda url: _closed_loop(url, target.name, None, messages[:4], 2, min(16, args.max_new_tokens),
                                        args.temperature, args.seed))
     for c in args.concurrency:
         runs = (["server", "engine"] * args.repeats + ["server"]) if args.against_engine else ["server"] * args.repeats
         got = []
         for system in runs:
-            policy = make_policy(pname, drafter.block_size, cost_table=table)
             if system == "server":
-                r = local_run(target, drafter, policy, c, max_len, table,
+                r = local_run(target, drafter, pname, c, max_len,
                               lambda url: _closed_loop(url, target.name, None, messages, c, args.max_new_tokens,
                                                        args.temperature, args.seed))
             else:
                 # the engine's own loop seeds every request alike; the server's requests each get seed + i
+                policy, table = serving_policy(target, drafter, pname)
                 params = SamplingParams(temperature=args.temperature, seed=args.seed)
                 e = run_closed_loop(target, drafter, policy, ids, c, args.max_new_tokens, params, drafter.block_size,
                                     cost_table=table)

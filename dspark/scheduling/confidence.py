@@ -75,13 +75,9 @@ class _Profile:
         return out
 
 
-class _FreeProfile:
-    """Conditional acceptance per position of free (lookup) proposals, from their verified tokens:
-    position k counts a try when tokens 1..k-1 were accepted, a hit when k was too. Starts at 1/2."""
-
-    def __init__(self, block: int):
-        self.tries = [1.0] * block
-        self.hits = [0.5] * block
+class _FreeProfile(_Profile):
+    """The conditional acceptance per position of free (lookup) proposals, learned from their
+    verified tokens: position k counts a try when tokens 1..k-1 were accepted, a hit when k was too."""
 
     def observe(self, verified: int, accepted: int) -> None:
         for k in range(min(verified, len(self.tries))):
@@ -90,9 +86,6 @@ class _FreeProfile:
                 self.hits[k] += 1
             else:
                 break
-
-    def conditional(self) -> list[float]:
-        return [min(0.999, h / t) for h, t in zip(self.hits, self.tries)]
 
 
 def _record(requests, lengths) -> None:
@@ -190,8 +183,6 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, 
     R = len(survivals)
     cands = _sorted_candidates(survivals)
     if sps_many is not None and early_stop and len(cands) > 24:    # below that the loop is cheaper
-        if not cands:
-            return [0] * R
         a = np.fromiter((c[0] for c in cands), float, len(cands))
         theta = (R + np.cumsum(a)) * sps_many(R + np.arange(1, len(cands) + 1))
         prev = np.concatenate([[R * sps(R)], theta[:-1]])
@@ -447,13 +438,10 @@ class PrefixPolicy(_ProfiledPolicy):
     # decision time (0.37 of 0.48 ms a step at one request on the AMD EPYC VM)
     search_every = 4
 
-    _free_pending = False       # some free proposal was verified last step (see _settle_free)
-
-    @property
-    def free_profile(self) -> "_FreeProfile":
-        if getattr(self, "_free_profile", None) is None:
-            self._free_profile = _FreeProfile(16)
-        return self._free_profile
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.free_profile = _FreeProfile(16)    # the lookups' own acceptance, from 1/2
+        self._free_pending = False              # some free proposal was verified last step
 
     def draft_lengths(self, requests, block_size):
         cap = self._refresh(requests, block_size)
@@ -537,7 +525,7 @@ class PrefixPolicy(_ProfiledPolicy):
             i = self._probed
             lengths = (prefix_schedule([a if j != i else [] for j, a in enumerate(surv)], sps, sps_many=sps_many)
                        if any(p.free and len(p) for p in proposals) else [0] * R)
-            lengths[i] = self._probe_lengths(proposals)[i]
+            lengths[i] = len(proposals[i])
         for i, (r, p) in enumerate(zip(requests, proposals)):
             if p.free and len(p):
                 lengths[i] = self._explore_free(r, lengths[i])

@@ -13,6 +13,9 @@ from ..errors import UsageError
 
 class Policy:
     name = "policy"
+    # True: before draft_lengths, the engine leaves in each request's ``ctx.state["_free"]`` how many
+    # tokens the drafter could propose it without a forward (Drafter.free_lengths)
+    uses_free_drafts = False
 
     def draft_lengths(self, requests, block_size: int) -> list[int]:
         """Tokens to draft per request (before clipping to what each request may still emit)."""

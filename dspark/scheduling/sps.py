@@ -256,11 +256,13 @@ class CostModel:
         t = self.table
         per = max(0.0, extra / max(1, requests))
         base = t.target_seconds(requests, 0, context)
-        catch_up = t.context_row * rows
         if drafting is None:
-            return base, t.step_seconds(requests, per, context) - base + catch_up
-        return base, (t.target_seconds(requests, per, context) - base + t.drafter_seconds(drafting, depth, context)
-                      + catch_up)
+            return base, t.step_seconds(requests, per, context) - base + t.context_row * rows
+        return base, t.target_seconds(requests, per, context) - base + self._call(drafting, depth, context, rows)
+
+    def _call(self, drafting: int, depth: float, context: int, rows: int) -> float:
+        """The drafter's call: ``drafting`` requests ``depth`` tokens deep, ``rows`` catch-up rows."""
+        return self.table.drafter_seconds(drafting, depth, context) + self.table.context_row * rows
 
     def seconds(self, requests: int, extra: float, context: int, drafting: int | None = None,
                 depth: float = 0.0, rows: int = 0) -> float:
@@ -282,7 +284,7 @@ class CostModel:
             return np.ones_like(extra)
         base = t.target_seconds(requests, 0, context)
         more = (t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base
-                + t.drafter_seconds(drafting, depth, context) + t.context_row * rows)
+                + self._call(drafting, depth, context, rows))
         return (self.pace or 1.0) * (base + more * self.extra_scale)
 
     def seconds_many(self, requests: int, extra: np.ndarray, context: int, depths, rows) -> np.ndarray:
