@@ -477,23 +477,48 @@ def test_a_paying_depth_is_reused_for_a_few_steps_then_searched_again():
     pol.profile.hits, pol.profile.tries = [0.9, 0.9, 0.9], [1.0] * 3
     inner, calls = pol._draft_depth, []
     pol._draft_depth = lambda *a: calls.append(1) or inner(*a)
-    reqs = _requests(8)
+    reqs = _requests(16)
 
     def step(reqs):
         want = pol.draft_lengths(reqs, 3)
         pol.verify_lengths(reqs, [Proposal(torch.tensor([1] * w), None, torch.tensor([0.95] * w)) for w in want])
         return want
 
-    for i in range(8):                           # one request: one proposal a step
+    step(reqs[:1])                               # a search over an empty pool is redone next step
+    calls.clear()
+    for i in range(2 * pol.search_every):        # one request: one proposal a step
         assert max(step(reqs[:1])) > 0
         assert len(calls) == i // pol.search_every + 1
     step(reqs[:2])
     assert len(calls) == 3                       # more requests: searched at once
     step(reqs[:2])
     assert len(calls) == 3
-    for i in range(3):                           # 8 proposals a step: 1/8 of the pool, searched each step
+    for i in range(3):                           # 16 proposals a step: 1/4 of the pool, searched each step
         step(reqs)
         assert len(calls) == 4 + i
+
+
+def test_a_held_depth_is_searched_again_when_first_token_survival_falls():
+    """A fall of the recent proposals' mean first-token survival by ``search_drift`` ends the hold at
+    once, before ``search_every`` steps or 1/4 of the pool have passed."""
+    from dspark.drafters.base import Proposal
+    cheap = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.02, 1.05], [1.4, 1.45, 1.5]]], draft=[[[0, 0.01, 0.02], [0, 0.02, 0.03]]])
+    pol = make_policy("prefix", 3, cost_table=cheap)
+    inner, calls = pol._draft_depth, []
+    pol._draft_depth = lambda *a: calls.append(1) or inner(*a)
+    reqs = _requests(1)
+
+    def step(conf):
+        want = pol.draft_lengths(reqs, 3)
+        pol.verify_lengths(reqs, [Proposal(torch.tensor([1] * w), None, torch.tensor([conf] * w)) for w in want])
+
+    for _ in range(3):
+        step(0.95)
+    assert len(calls) == 2                       # the first search saw an empty pool
+    step(0.95 - 8 * pol.search_drift)            # mean a_1 of 4 rows falls by 2 x search_drift
+    step(0.95)
+    assert len(calls) == 3
 
 
 def test_recent_running_totals_match_the_last_rows():

@@ -210,15 +210,16 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, 
 
 
 class _Recent:
-    """The survival rows a_1..a_l of the last ``size`` proposals, as a ring of rows (NaN past a
-    row's length), so that the policies' per-step searches read them with a few array operations;
-    and, kept as rows come and go, each position's total survival and count in plain Python (the
-    async policy reads the means every step, right after a target forward has evicted the CPU
-    caches, where even a few array operations on these tiny arrays took 0.13 ms)."""
+    """The survival rows a_1..a_l of the last ``size`` proposals, as a ring of plain lists, and, kept
+    as rows come and go, each position's total survival and count. Rows are added every step (each
+    proposal) and read by a depth search only now and then (``pools`` builds its arrays then); both
+    run right after a target forward has evicted the CPU caches. With 128 MB streamed through the
+    caches before each call (AMD EPYC VM), an ``add`` took 25 - 30 us as list operations against 50
+    - 60 us as array operations on a NaN-padded matrix, and ``pools`` 160 us against 115 us."""
 
     def __init__(self, size: int, width: int = 8):
         self.size = size
-        self.rows = np.full((size, width), np.nan)
+        self._rows: list = [None] * size        # the ring; None where no row came yet
         self.n = 0          # rows held
         self.next = 0       # where the next row goes
         self.added = 0      # rows added so far
@@ -227,45 +228,43 @@ class _Recent:
 
     def add(self, row) -> None:
         row = [float(a) for a in row]
-        if len(row) > self.rows.shape[1]:
-            more = len(row) - self.rows.shape[1]
-            self.rows = np.concatenate([self.rows, np.full((self.size, more), np.nan)], 1)
+        if len(row) > len(self._sum):
+            more = len(row) - len(self._sum)
             self._sum += [0.0] * more
             self._count += [0] * more
-        r = self.rows[self.next]
-        for k, a in enumerate(r.tolist()):      # the row it replaces (all NaN while the ring fills)
-            if a == a:
-                self._sum[k] -= a
-                self._count[k] -= 1
-        r[:] = np.nan
-        r[:len(row)] = row
+        s, c = self._sum, self._count
+        old = self._rows[self.next]
+        if old is not None:                     # the row it replaces
+            for k, a in enumerate(old):
+                s[k] -= a
+                c[k] -= 1
         for k, a in enumerate(row):
-            self._sum[k] += a
-            self._count[k] += 1
+            s[k] += a
+            c[k] += 1
+        self._rows[self.next] = row
         self.next = (self.next + 1) % self.size
         self.n = min(self.n + 1, self.size)
         self.added += 1
         if self.added % self.size == 0:       # re-add from scratch now and then: no rounding drift
-            self._sum = np.nansum(self.rows, 0).tolist()
+            self._sum = [sum(r[k] for r in self._rows if r is not None and len(r) > k) for k in range(len(s))]
 
     def sums(self, cap: int) -> tuple[list[float], list[int]]:
         """(total survival of the held rows, how many of them reach it) per position, ``cap`` long."""
         pad = max(0, cap - len(self._sum))
         return self._sum[:cap] + [0.0] * pad, self._count[:cap] + [0] * pad
 
+    def mean(self, k: int) -> float | None:
+        """The mean survival at position k of the held rows that reach it (None if none does)."""
+        return self._sum[k] / self._count[k] if k < len(self._count) and self._count[k] else None
+
     def pools(self, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(survivals, their positions, rows reaching each position [cap]): position by position,
         oldest row first."""
-        if self.n < self.size:
-            m = self.rows[:self.n]
-        else:
-            m = np.concatenate([self.rows[self.next:], self.rows[:self.next]])
-        m = m[:, :cap].T
-        if m.shape[0] < cap:
-            m = np.concatenate([m, np.full((cap - m.shape[0], m.shape[1]), np.nan)])
-        have = ~np.isnan(m)
-        pos, _ = np.nonzero(have)
-        return m[have], pos, have.sum(1)
+        rows = [r for r in self._rows[self.next:] + self._rows[:self.next] if r is not None]
+        per = [[r[k] for r in rows if len(r) > k] for k in range(cap)]
+        counts = np.array([len(v) for v in per], dtype=np.int64)
+        vals = np.array([a for v in per for a in v], dtype=float)
+        return vals, np.repeat(np.arange(cap), counts), counts
 
 
 class _ProfiledPolicy(Policy):
@@ -300,7 +299,7 @@ class _ProfiledPolicy(Policy):
         self._version = 0                             # proposals seen (what the searches read)
         self._ratio = 1.0                             # best drafting tokens/s over plain, last search
         self._no_key = self._key = None               # see _unchanged_since_no
-        self._held = None                             # prefix: (key, steps used, proposals added then, depth) of a paying search
+        self._held = None                             # prefix: (key, steps used, proposals added then, depth, mean a_1 then) of a paying search
         self._probe_m = [0.0, 0.0]
 
     def _refresh(self, requests, block_size) -> int:
@@ -432,11 +431,14 @@ class PrefixPolicy(_ProfiledPolicy):
     # drafted, and Algorithm 1 verifies of them what pays for its share of the target's step
     uses_free_drafts = True
     # while drafting pays, the depth found holds for up to this many steps, as long as the number of
-    # requests and the context column stay and fewer than 1/8 of the recent proposals it read were
-    # replaced since (with few requests, a handful of proposals a step move the pools little); the
-    # search, run right after a target forward has evicted the CPU caches, is most of the policy's
-    # decision time (0.37 of 0.48 ms a step at one request on the AMD EPYC VM)
-    search_every = 4
+    # requests and the context column stay, fewer than 1/4 of the recent proposals it read were
+    # replaced since and their mean first-token survival moved by less than ``search_drift`` (with
+    # few requests, a handful of proposals a step move the pools little; a sudden fall is searched
+    # at once); the search, run right after a target forward has evicted the CPU caches, is most of
+    # the policy's decision time (0.3 - 0.4 ms a search on the AMD EPYC VM, against 0.1 - 0.15 ms
+    # for the rest of a step's decisions at one or two requests)
+    search_every = 8
+    search_drift = 0.05
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -447,15 +449,16 @@ class PrefixPolicy(_ProfiledPolicy):
         cap = self._refresh(requests, block_size)
         depth = 0
         if not self._unchanged_since_no(requests):
-            key, held = (self._key[0], self._key[3], cap), self._held
+            key, held, first = (self._key[0], self._key[3], cap), self._held, self._recent.mean(0)
             if (held is not None and held[0] == key and held[1] < self.search_every
-                    and self._recent.added - held[2] < self._recent.size / 8):
+                    and self._recent.added - held[2] < self._recent.size / 4
+                    and first is not None and held[4] is not None and abs(first - held[4]) < self.search_drift):
                 depth = held[3]
-                self._held = (key, held[1] + 1, held[2], depth)
+                self._held = (key, held[1] + 1, held[2], depth, held[4])
             else:
                 depth = self._draft_depth(requests, cap)
                 self._found(depth > 0)
-                self._held = (key, 1, self._recent.added, depth) if depth else None
+                self._held = (key, 1, self._recent.added, depth, first) if depth else None
         if not depth:
             return self._with_free(requests, self._probe(requests), block_size)
         self._idle = 0
@@ -514,8 +517,10 @@ class PrefixPolicy(_ProfiledPolicy):
         # the drafter's call is paid already: a longer verification costs only the target's part
         ctx, R = _context(requests), len(requests)
 
+        price = self.cost.pricer(R, ctx, drafting, depth, self._rows)
+
         def sps(B):
-            return 1.0 / self.cost.seconds(R, B - R, ctx, drafting, depth, self._rows)
+            return 1.0 / price(B - R)
 
         def sps_many(Bs):
             return 1.0 / self.cost.seconds_of_extras(R, Bs - R, ctx, drafting, depth, self._rows)

@@ -120,11 +120,16 @@ class CostTable:
             draft[:, :, cols] = np.stack([monotone(g[:, cols]) for g in draft])
         self._rows = {name: a.tolist() for name, a in (("step", target + draft), ("draft", draft), ("target", target))}
         self._least_drafted = min((v for v in self.verified if v > 0), default=1)   # a call's smallest measure
+        self._mids = [(a + b) / 2 for a, b in zip(self.contexts, self.contexts[1:])]
+
+    def context_column(self, context: float) -> int:
+        """The measured context nearest to ``context`` (the lower one on a tie)."""
+        return bisect.bisect_left(self._mids, context)
 
     def _interp(self, grid: str, requests: float, verified: float, context: int) -> float:
         """Bilinear interpolation (clamped at the edges) of a grid at the nearest measured context;
         plain Python on the few numbers involved: policies ask for hundreds of points a step."""
-        c = min(range(len(self.contexts)), key=lambda i: abs(self.contexts[i] - context))
+        c = self.context_column(context)
         key = (grid, requests, verified, c)
         out = self._memo.get(key)
         if out is None:
@@ -156,7 +161,7 @@ class CostTable:
 
     def target_seconds_many(self, requests: int, verified: np.ndarray, context: int) -> np.ndarray:
         """``target_seconds`` at many verified lengths per request (one R, one context)."""
-        c = min(range(len(self.contexts)), key=lambda i: abs(self.contexts[i] - context))
+        c = self.context_column(context)
         r0, r1, fr = _segment(self.requests, requests)
         g = self._rows["target"][c]
         curve = [a + fr * (b - a) for a, b in zip(g[r0], g[r1])]
@@ -247,8 +252,7 @@ class CostModel:
         """The table's context column a step at this context is priced from (-1 without a table)."""
         if self.table is None:
             return -1
-        cs = self.table.contexts
-        return min(range(len(cs)), key=lambda i: abs(cs[i] - context))
+        return self.table.context_column(context)
 
     def parts(self, requests, extra, context, drafting, depth, rows: int = 0) -> tuple[float, float]:
         """The table's (plain part, drafting part) of a step, uncorrected; ``rows``: context rows
@@ -274,6 +278,21 @@ class CostModel:
             return 1.0
         base, more = self.parts(requests, extra, context, drafting, depth, rows)
         return (self.pace or 1.0) * (base + more * self.extra_scale)
+
+    def pricer(self, requests: int, context: int, drafting: int, depth: float, rows: int = 0):
+        """``seconds(requests, extra, context, drafting, depth, rows)`` as a function of ``extra``
+        alone, with the parts that do not depend on it priced once (Algorithm 1 prices one step's
+        candidate prefixes one after another)."""
+        t = self.table
+        if t is None:
+            return lambda extra: 1.0
+        base = t.target_seconds(requests, 0, context)
+        call = self._call(drafting, depth, context, rows)
+        pace, scale, n = self.pace or 1.0, self.extra_scale, max(1, requests)
+
+        def seconds(extra: float) -> float:
+            return pace * (base + (t.target_seconds(requests, max(0.0, extra / n), context) - base + call) * scale)
+        return seconds
 
     def seconds_of_extras(self, requests: int, extra: np.ndarray, context: int, drafting: int, depth: float,
                           rows: int = 0) -> np.ndarray:
