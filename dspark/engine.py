@@ -29,7 +29,7 @@ from .drafters.base import DraftContext, Drafter, PlainDrafter, Proposal
 from .errors import UsageError
 from .metrics import GenerationStats
 from .runtime.model import Decoder
-from .sampling import SamplingParams, sample_from_logits
+from .sampling import SamplingParams, sample_from_logits, token_logprobs
 from .scheduling.policies import FixedPolicy, Policy
 from .verify import verify
 
@@ -43,6 +43,7 @@ class Request:
     max_new_tokens: int
     stop_ids: frozenset = frozenset()
     on_tokens: Callable | None = None     # called with each list of newly emitted tokens
+    logprobs: int | None = None           # None, or how many most likely tokens to record per position
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
     status: str = "waiting"               # waiting | running | finished | cancelled
@@ -54,6 +55,9 @@ class Request:
     ctx: DraftContext | None = None
     t_start: float = 0.0
     prompt_features: list = field(default_factory=list)   # target features of prefilled chunks
+    # with ``logprobs``: per output token (its log probability, [(token, log probability)] of the
+    # ``logprobs`` most likely), from the target's logits (sampling.token_logprobs)
+    output_logprobs: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -87,16 +91,20 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
-                    stop_ids=None, on_tokens=None) -> Request:
+                    stop_ids=None, on_tokens=None, logprobs: int | None = None) -> Request:
+        """``logprobs``: record each output token's log probability and this many most likely
+        tokens' (Request.output_logprobs; None = nothing recorded)."""
         if not prompt_ids:
             raise UsageError("prompt is empty")
+        if logprobs is not None and not 0 <= logprobs <= self.target.config.vocab_size:
+            raise UsageError(f"logprobs must be in [0, {self.target.config.vocab_size}], got {logprobs}")
         if max_new_tokens <= 0:
             raise UsageError(f"max-new-tokens must be > 0, got {max_new_tokens}")
         if max_new_tokens > self.room(len(prompt_ids)):
             raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) "
                              f"exceed the per-request cache of {self.cache.max_len} tokens")
         stops = self.eos_ids if stop_ids is None else frozenset(stop_ids)
-        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens)
+        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs)
         req.generator = params.generator(self.target.device)
         req.t_start = time.perf_counter()
         self.waiting.append(req)
@@ -218,14 +226,14 @@ class Engine:
                     s.accepted_per_position.extend([0] * (l - len(s.accepted_per_position)))
                 for i in range(n):
                     s.accepted_per_position[i] += 1
-            if self._emit(r, p.tokens[:n].tolist() + [nxt]):
+            if self._emit(r, p.tokens[:n].tolist() + [nxt], logits):
                 ended.append(r)
         for r in completing:
             first, _ = sample_from_logits(out.logits[at], r.params, r.generator)
-            at += 1
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features)
-            if self._emit(r, [int(first)]):
+            at += 1
+            if self._emit(r, [int(first)], out.logits[at - 1:at]):
                 ended.append(r)
         return ended
 
@@ -253,14 +261,17 @@ class Engine:
         self.policy_seconds += time.perf_counter() - t0
         return [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
 
-    def _emit(self, r: Request, tokens: list[int]) -> bool:
-        """Append emitted tokens (cut at a stop token or the length limit); True if r ended."""
+    def _emit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> bool:
+        """Append emitted tokens (cut at a stop token or the length limit; ``logits``: the target's
+        rows they were drawn from); True if r ended."""
         for i, t in enumerate(tokens):
             if t in r.stop_ids:
                 tokens = tokens[:i + 1]
                 r.finish_reason = "stop"
                 break
         tokens = tokens[:r.max_new_tokens - len(r.output_ids)]
+        if r.logprobs is not None and tokens:
+            r.output_logprobs.extend(token_logprobs(logits, tokens, r.logprobs))
         r.output_ids.extend(tokens)
         r.ctx.tokens.extend(tokens)
         if r.on_tokens and tokens:

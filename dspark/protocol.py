@@ -1,10 +1,12 @@
 """The OpenAI API's request bodies (completions, chat completions) as pydantic models, and the text
 side of a response: incremental detokenisation with stop strings.
 
-Fields the engine cannot honour are refused with a clear 400 rather than ignored: log
-probabilities, penalties and logit biases (they change the distribution the speculative decoder
-must reproduce exactly), tools, and any field the API does not define. vLLM's extensions
-``top_k`` and ``ignore_eos`` are accepted.
+Fields the engine cannot honour are refused with a clear 400 rather than ignored: penalties and
+logit biases (they change the distribution the speculative decoder must reproduce exactly), the
+prompt's log probabilities (``echo`` with ``logprobs``), tools, and any field the API does not
+define. vLLM's extensions ``top_k`` and ``ignore_eos`` are accepted. Log probabilities of the
+generated tokens are the target's own (log-softmax of its raw logits, before temperature and
+truncation: vLLM's default ``raw_logprobs``), whatever drafted them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_N = 16          # choices per request
 MAX_STOPS = 16      # stop strings per request
+MAX_LOGPROBS = 20   # most likely tokens returned per position (OpenAI's limit for chat)
 
 
 class StreamOptions(BaseModel):
@@ -68,9 +71,14 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log probabilities of the sampled and this many most likely tokens")
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -90,8 +98,8 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _refused(self):
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
+        if self.logprobs is not None and self.echo:
+            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported")
         if self.best_of not in (None, 1) and self.best_of != self.n:
             raise ValueError("best_of is not supported")
         if self.suffix:
@@ -122,20 +130,25 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     @model_validator(mode="after")
     def _refused(self):
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format other than text is not supported")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Most likely tokens to return per position, or None for no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -153,7 +166,9 @@ class TextStream:
     tokenizer's word-boundary rules see the same neighbours as in a whole decode), and text that
     ends in an incomplete UTF-8 sequence waits for its next token. With stop strings, the text is
     cut before the first occurrence of any of them (the stop string itself is not returned, as in
-    the OpenAI API), and a tail that could be the start of one is held back until it is not."""
+    the OpenAI API), and a tail that could be the start of one is held back until it is not;
+    ``kept`` says how many ids of the last ``add`` the output has (those up to the one that completed
+    the stop string: the tokens that count, and whose log probabilities are returned)."""
 
     def __init__(self, tokenizer, stops: list[str] = ()):
         self.tok = tokenizer
@@ -164,6 +179,7 @@ class TextStream:
         self.stopped = False
         self._prefix = 0
         self._read = 0
+        self.kept = 0
 
     def _decode(self, final: bool) -> None:
         prev = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
@@ -174,21 +190,32 @@ class TextStream:
 
     def add(self, ids: list[int], final: bool = False) -> str:
         if self.stopped:
+            self.kept = 0
             return ""
         self.ids.extend(ids)
+        self.kept = len(ids)
         self._decode(final)
         end = len(self.text)
         if self.stops:
             start = max(0, self.sent - max(map(len, self.stops)) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
             if hits:
-                end = min(hits)
+                end, stop_end = min(hits)
                 self.stopped = True
+                self.kept = self._tokens_to(stop_end, len(ids))
             elif not final:
                 end -= self._held_back()
         out = self.text[self.sent:end]
         self.sent = max(self.sent, end)
         return out
+
+    def _tokens_to(self, chars: int, new: int) -> int:
+        """How many of the ``new`` last ids it takes for the decoded text to reach ``chars``."""
+        base = len(self.ids) - new
+        for m in range(1, new):
+            if len(self.tok.decode(self.ids[:base + m], skip_special_tokens=True)) >= chars:
+                return m
+        return new
 
     def finish(self) -> str:
         """The rest of the text once the request has ended."""

@@ -132,3 +132,15 @@ def sample_from_logits(logits: torch.Tensor, params: SamplingParams,
     if params.greedy:
         return probs.argmax(-1), probs
     return sample(probs, generator), probs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list]]:
+    """Per row of ``logits`` [n, V]: the log probability of ``tokens[i]`` under the raw logits
+    (log-softmax before temperature and truncation, vLLM's default ``raw_logprobs``) and the ``top``
+    most likely (token, log probability) pairs, most likely first."""
+    lp = torch.log_softmax(logits[:len(tokens)].float(), -1)
+    chosen = lp[torch.arange(len(tokens), device=lp.device), torch.tensor(tokens, device=lp.device)].tolist()
+    if not top:
+        return [(c, []) for c in chosen]
+    v, i = lp.topk(min(top, lp.shape[-1]), -1)
+    return [(c, list(zip(ii, vv))) for c, ii, vv in zip(chosen, i.tolist(), v.tolist())]

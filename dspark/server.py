@@ -90,13 +90,14 @@ class Metrics:
 @dataclass
 class Job:
     """One engine request as the HTTP side sees it; ``sink`` receives its events on the engine
-    thread: ("tokens", ids), ("end", finish_reason), ("error", message)."""
+    thread: ("tokens", ids, their log probabilities or None), ("end", finish_reason), ("error", message)."""
 
     prompt_ids: list[int]
     params: SamplingParams
     max_new_tokens: int
     stop_ids: frozenset | None
     sink: object
+    logprobs: int | None = None
     request: object = None
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
@@ -191,10 +192,11 @@ class EngineWorker:
                 job.first_token = False
                 self.metrics.ttft.observe(time.perf_counter() - job.t_submit)
             self.metrics.generation_tokens.inc(len(ids))
-            job.sink(("tokens", list(ids)))
+            lps = job.request.output_logprobs[-len(ids):] if job.logprobs is not None else None
+            job.sink(("tokens", list(ids), lps))
         try:
             job.request = self.engine.add_request(job.prompt_ids, job.params, job.max_new_tokens,
-                                                  stop_ids=job.stop_ids, on_tokens=on_tokens)
+                                                  stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs)
         except DsparkError as e:
             job.sink(("error", str(e)))
             return
@@ -215,6 +217,8 @@ class _Choice:
     job: Job | None = None
     tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)   # (token, log probability, top) of the output so far
+    logprob_chars: int = 0                          # text_offset of the next token (completions)
 
 
 class Server:
@@ -230,6 +234,7 @@ class Server:
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics)
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     # ------------------------------------------------------------------ requests -> jobs
     def check(self, body) -> None:
@@ -289,14 +294,15 @@ class Server:
 
                 def sink(ev, i=ch.index):
                     loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
-                ch.job = Job(ids, params, limit, stop_ids, sink)
+                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs)
         for ch in choices:
             self.worker.submit(ch.job)
         return choices, queue
 
     async def events(self, choices: list[_Choice], queue: asyncio.Queue, request: Request):
-        """(choice, new text) as tokens come, until every choice has ended; a choice's last item
-        carries its finish_reason. Cancels what is still running if the client goes away."""
+        """(choice, new text, the new tokens' (token, log probability, top) if asked) as tokens come,
+        until every choice has ended; a choice's last item carries its finish_reason. Cancels what
+        is still running if the client goes away."""
         live = len(choices)
         try:
             while live:
@@ -312,26 +318,62 @@ class Server:
                 if ev[0] == "error":
                     raise ApiError(500, ev[1], "internal_error")
                 if ev[0] == "tokens":
-                    ch.tokens += len(ev[1])
-                    text = ch.text.add(ev[1])
+                    _, ids, lps = ev
+                    text = ch.text.add(ids)
+                    kept = ch.text.kept            # the tokens after a stop string do not count
+                    ch.tokens += kept
+                    new = [(t, *lp) for t, lp in zip(ids[:kept], lps)] if lps is not None else []
+                    ch.logprobs.extend(new)
                     if ch.text.stopped:
                         self.worker.cancel(ch.job)
                         ch.finish_reason = "stop"
                         live -= 1
                         self.metrics.finished.labels(finished_reason="stop").inc()
-                    if text or ch.text.stopped:
-                        yield ch, text
+                    if text or new or ch.text.stopped:
+                        yield ch, text, new
                 else:
                     ch.finish_reason = "length" if ev[1] == "length" else "stop"
                     live -= 1
                     self.metrics.finished.labels(finished_reason=ch.finish_reason).inc()
-                    yield ch, ch.text.finish()
+                    yield ch, ch.text.finish(), []
         finally:
             for ch in choices:
                 if ch.finish_reason is None:
                     self.worker.cancel(ch.job)
                     ch.finish_reason = "abort"
                     self.metrics.finished.labels(finished_reason="abort").inc()
+
+    def token_text(self, token: int) -> str:
+        """A token's text as the log probabilities name it (its own decode, as vLLM does)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def completion_logprobs(self, ch: _Choice, entries: list) -> dict:
+        """The legacy completions API's log probabilities of ``entries`` (the next tokens of ``ch``):
+        tokens, token_logprobs, a dict per token of the most likely ones and the sampled one, and
+        each token's character offset in the text."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp, top in entries:
+            text = self.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            best = {self.token_text(t): v for t, v in top}
+            best.setdefault(text, lp)
+            out["top_logprobs"].append(best)
+            out["text_offset"].append(ch.logprob_chars)
+            ch.logprob_chars += len(text)
+        return out
+
+    def chat_logprobs(self, ch: _Choice, entries: list) -> dict:
+        """The chat API's log probabilities of ``entries``: token, logprob, UTF-8 bytes and the most
+        likely alternatives per token."""
+        def one(token, lp):
+            text = self.token_text(token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
+                            for token, lp, top in entries], "refusal": None}
 
     @staticmethod
     def usage(choices: list[_Choice]) -> dict:
@@ -345,15 +387,18 @@ def _sse(obj) -> str:
 
 
 async def _respond(srv: Server, body, request: Request, choices: list[_Choice], queue, prefix: str, obj: str,
-                   chunk_obj: str, delta, opening, whole):
+                   chunk_obj: str, delta, opening, whole, logprobs):
     """The response of either endpoint: a stream of chunks (``opening(choice)``'s fields first, then
     ``delta(text)`` per piece of text, the usage if asked, [DONE]) or, once every choice has ended,
-    one object (``whole(choice)`` per choice)."""
+    one object (``whole(choice)`` per choice); ``logprobs(choice, entries)`` formats the log
+    probabilities of a chunk's or the whole output's tokens, when the request asked for them."""
     head = {"id": f"{prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": srv.model_name}
+    asked = body.num_logprobs is not None
 
-    def chunk(ch, fields, finish=None):
+    def chunk(ch, fields, finish=None, entries=None):
+        lp = logprobs(ch, entries) if asked and entries else None
         return {**head, "object": chunk_obj,
-                "choices": [{"index": ch.index, **fields, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": ch.index, **fields, "logprobs": lp, "finish_reason": finish}]}
 
     if body.stream:
         async def stream():
@@ -361,8 +406,8 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                 for ch in choices:
                     for fields in opening(ch):
                         yield _sse(chunk(ch, fields))
-                async for ch, text in srv.events(choices, queue, request):
-                    yield _sse(chunk(ch, delta(text), ch.finish_reason))
+                async for ch, text, entries in srv.events(choices, queue, request):
+                    yield _sse(chunk(ch, delta(text), ch.finish_reason, entries))
             except ApiError as e:
                 yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
                 return
@@ -373,8 +418,8 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
     async for _ in srv.events(choices, queue, request):
         pass
     return {**head, "object": obj, "usage": srv.usage(choices),
-            "choices": [{"index": ch.index, **whole(ch), "logprobs": None, "finish_reason": ch.finish_reason}
-                        for ch in choices]}
+            "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs) if asked else None,
+                         "finish_reason": ch.finish_reason} for ch in choices]}
 
 
 def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None,
@@ -445,7 +490,8 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         return await _respond(srv, body, request, choices, queue, "cmpl", "text_completion", "text_completion",
                               delta=lambda text: {"text": text},
                               opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
-                              whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output})
+                              whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output},
+                              logprobs=srv.completion_logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -454,7 +500,8 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         return await _respond(srv, body, request, choices, queue, "chatcmpl", "chat.completion",
                               "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
                               opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],
-                              whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}})
+                              whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}},
+                              logprobs=srv.chat_logprobs)
 
     return app
 

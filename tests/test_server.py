@@ -154,7 +154,6 @@ def test_seeded_choices_are_reproducible(target_fp32):
     ({"prompt": [10 ** 9]}, 400, "vocabulary"),
     ({"prompt": "hi", "max_tokens": 10 ** 6}, 400, "maximum context length"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "penalty"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
@@ -280,3 +279,89 @@ def test_sigterm_lets_requests_in_flight_finish():
     finally:
         proc.kill()
         proc.wait()
+
+
+def _reference_logprobs(target, prompt_ids, output_ids):
+    """The target's log-softmax at each output position, from one forward over prompt + output."""
+    import torch
+    ids = list(prompt_ids) + list(output_ids)
+    cache = target.model.new_cache(1, len(ids) + 1)
+    rows = torch.arange(len(prompt_ids) - 1, len(ids) - 1)
+    out = target.model(torch.tensor(ids), [(cache.allocate(), len(ids))], cache, logits_rows=rows)
+    return torch.log_softmax(out.logits.float(), -1)
+
+
+def test_completion_logprobs_are_the_targets_and_stream_as_whole(client, target_fp32):
+    """Sampled (T = 1; n-gram drafts are verified by the target's own draws, so the seeded output is
+    plain decoding's with that seed): each returned log probability is the target's own at that
+    position (raw logits), the top ones are its most likely tokens with the sampled one added, the
+    offsets run over the tokens' text, and a stream carries the same as the whole response."""
+    tok = target_fp32.tokenizer
+    ids = tok(PROMPTS[3])["input_ids"]
+    params = SamplingParams(temperature=1.0, top_k=-1, seed=3)
+    want, _ = generate_ids(target_fp32.model, ids, params, 24, PlainDrafter(), eos_ids=target_fp32.eos_token_ids)
+    ref = _reference_logprobs(target_fp32, ids, want)
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=24, temperature=1.0,
+                                  seed=3, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert lp.tokens == [tok.decode([t]) for t in want] and len(want) == r.usage.completion_tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for k, (t, got, top) in enumerate(zip(want, lp.token_logprobs, lp.top_logprobs)):
+        assert got == pytest.approx(float(ref[k, t]), abs=1e-4), k
+        best = ref[k].topk(3)
+        for i, v in zip(best.indices.tolist(), best.values.tolist()):
+            assert top[tok.decode([i])] == pytest.approx(v, abs=1e-4), k
+        assert top[tok.decode([t])] == pytest.approx(got) and len(top) in (3, 4)
+    stream = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=24,
+                                       temperature=1.0, seed=3, logprobs=3, stream=True)
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    # the same tokens; the values to fp32 rounding (the n-gram drafter, which remembers the first
+    # request, drafts differently, and a forward over other rows rounds differently)
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.token_logprobs for p in parts), []) == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+
+
+def test_chat_logprobs_greedy_and_cut_at_a_stop_string(client, target_fp32):
+    """Chat log probabilities in the OpenAI shape (token, logprob, bytes, top_logprobs); at
+    temperature 0 the sampled token is the most likely one; with a stop string they end at the
+    token that completed it, and the usage counts the same tokens."""
+    msgs = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=32,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob) and c.logprob <= 0
+        assert c.top_logprobs[1].logprob <= c.top_logprobs[0].logprob
+        assert bytes(c.bytes).decode() == c.token
+    text = r.choices[0].message.content
+    shown = content[:-1] if r.choices[0].finish_reason == "stop" else content    # less the end-of-text token
+    assert "".join(c.token for c in shown) == text and len(text) > 12
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    s = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=32, temperature=0,
+                                       logprobs=True, stop=[stop])
+    got = s.choices[0].logprobs.content
+    assert s.choices[0].message.content == text[:text.index(stop)]
+    assert len(got) == s.usage.completion_tokens
+    joined = "".join(c.token for c in got)
+    assert stop in joined and stop not in "".join(c.token for c in got[:-1])   # ends at the completing token
+    assert [c.token for c in got] == [c.token for c in content[:len(got)]]
+    assert [c.logprob for c in got] == pytest.approx([c.logprob for c in content[:len(got)]], abs=1e-4)
+    plain_r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=4, temperature=0)
+    assert plain_r.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo with logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs requires logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_logprobs_requests_name_the_field(server, body, field):
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, out = post(server[0] + route, body)
+    assert status == 400 and field in out["error"]["message"], out
