@@ -44,6 +44,7 @@ class Request:
     stop_ids: frozenset = frozenset()
     on_tokens: Callable | None = None     # called with each list of newly emitted tokens
     logprobs: int | None = None           # None, or how many most likely tokens to record per position
+    prompt_logprobs: int | None = None    # the same for the prompt's tokens (from the second on)
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
     status: str = "waiting"               # waiting | running | finished | cancelled
@@ -58,6 +59,7 @@ class Request:
     # with ``logprobs``: per output token (its log probability, [(token, log probability)] of the
     # ``logprobs`` most likely), from the target's logits (sampling.token_logprobs)
     output_logprobs: list = field(default_factory=list)
+    prompt_logprobs_out: list = field(default_factory=list)   # with ``prompt_logprobs``: prompt tokens 2..
 
     @property
     def done(self) -> bool:
@@ -91,20 +93,23 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
-                    stop_ids=None, on_tokens=None, logprobs: int | None = None) -> Request:
+                    stop_ids=None, on_tokens=None, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> Request:
         """``logprobs``: record each output token's log probability and this many most likely
-        tokens' (Request.output_logprobs; None = nothing recorded)."""
+        tokens' (Request.output_logprobs; None = nothing recorded); ``prompt_logprobs``: the same for
+        every prompt token after the first (Request.prompt_logprobs_out, filled as it prefills)."""
         if not prompt_ids:
             raise UsageError("prompt is empty")
-        if logprobs is not None and not 0 <= logprobs <= self.target.config.vocab_size:
-            raise UsageError(f"logprobs must be in [0, {self.target.config.vocab_size}], got {logprobs}")
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and not 0 <= k <= self.target.config.vocab_size:
+                raise UsageError(f"{name} must be in [0, {self.target.config.vocab_size}], got {k}")
         if max_new_tokens <= 0:
             raise UsageError(f"max-new-tokens must be > 0, got {max_new_tokens}")
         if max_new_tokens > self.room(len(prompt_ids)):
             raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) "
                              f"exceed the per-request cache of {self.cache.max_len} tokens")
         stops = self.eos_ids if stop_ids is None else frozenset(stop_ids)
-        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs)
+        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs, prompt_logprobs)
         req.generator = params.generator(self.target.device)
         req.t_start = time.perf_counter()
         self.waiting.append(req)
@@ -184,19 +189,23 @@ class Engine:
             segments.append((r.slot, n))
             seg_len.append(n)
         budget = max(self.prefill_chunk, 1)
-        completing, chunks = [], []
+        chunks = []     # (request, where its tokens start in ids, how many, prompt rows scored, completes)
         for r in prefill:
             if budget <= 0:
                 break
             n = min(budget, len(r.prompt_ids) - r.prefilled)
-            chunks.append((r, len(ids), n))
+            start = len(ids)
             ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
             segments.append((r.slot, n))
+            # with prompt_logprobs, the rows of the chunk's positions whose next token is in the prompt
+            scored = 0 if r.prompt_logprobs is None else min(n, len(r.prompt_ids) - 1 - r.prefilled)
+            rows.extend(range(start, start + scored))
             r.prefilled += n
             budget -= n
-            if r.prefilled == len(r.prompt_ids):
+            completes = r.prefilled == len(r.prompt_ids)
+            if completes:
                 rows.append(len(ids) - 1)
-                completing.append(r)
+            chunks.append((r, start, n, scored, completes))
         self._decode_only = bool(decode) and not chunks
         wanted = self.drafter.feature_layers
         out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache, feature_layers=wanted,
@@ -204,7 +213,7 @@ class Engine:
         feats = None
         if wanted:   # hand the drafter the target features of every verified position
             feats = out.features[0] if len(wanted) == 1 else torch.cat(out.features, -1)
-            for r, start, n in chunks:
+            for r, start, n, _, _ in chunks:
                 r.prompt_features.append(feats[start:start + n])
         ended = []
         at = 0
@@ -228,7 +237,14 @@ class Engine:
                     s.accepted_per_position[i] += 1
             if self._emit(r, p.tokens[:n].tolist() + [nxt], logits):
                 ended.append(r)
-        for r in completing:
+        for r, _, n, scored, completes in chunks:
+            if scored:      # row j of the chunk predicts the prompt's next token
+                first_pos = r.prefilled - n + 1
+                r.prompt_logprobs_out.extend(token_logprobs(
+                    out.logits[at:at + scored], r.prompt_ids[first_pos:first_pos + scored], r.prompt_logprobs))
+                at += scored
+            if not completes:
+                continue
             first, _ = sample_from_logits(out.logits[at], r.params, r.generator)
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features)

@@ -3,10 +3,11 @@ side of a response: incremental detokenisation with stop strings.
 
 Fields the engine cannot honour are refused with a clear 400 rather than ignored: penalties and
 logit biases (they change the distribution the speculative decoder must reproduce exactly), the
-prompt's log probabilities (``echo`` with ``logprobs``), tools, and any field the API does not
-define. vLLM's extensions ``top_k`` and ``ignore_eos`` are accepted. Log probabilities of the
-generated tokens are the target's own (log-softmax of its raw logits, before temperature and
-truncation: vLLM's default ``raw_logprobs``), whatever drafted them.
+prompt's log probabilities in a stream (``echo`` with ``logprobs`` and ``stream``), tools, and any
+field the API does not define. vLLM's extensions ``top_k`` and ``ignore_eos`` are accepted. Log
+probabilities are the target's own (log-softmax of its raw logits, before temperature and
+truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``echo`` with
+``logprobs`` also scores the prompt's tokens (the first has none), as evaluation harnesses ask.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _refused(self):
-        if self.logprobs is not None and self.echo:
-            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported")
+        if self.logprobs is not None and self.echo and self.stream:
+            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported with stream=true")
         if self.best_of not in (None, 1) and self.best_of != self.n:
             raise ValueError("best_of is not supported")
         if self.suffix:

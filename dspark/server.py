@@ -98,6 +98,7 @@ class Job:
     stop_ids: frozenset | None
     sink: object
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     request: object = None
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
@@ -196,7 +197,8 @@ class EngineWorker:
             job.sink(("tokens", list(ids), lps))
         try:
             job.request = self.engine.add_request(job.prompt_ids, job.params, job.max_new_tokens,
-                                                  stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs)
+                                                  stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs,
+                                                  prompt_logprobs=job.prompt_logprobs)
         except DsparkError as e:
             job.sink(("error", str(e)))
             return
@@ -294,7 +296,8 @@ class Server:
 
                 def sink(ev, i=ch.index):
                     loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
-                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs)
+                scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
+                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored)
         for ch in choices:
             self.worker.submit(ch.job)
         return choices, queue
@@ -350,23 +353,31 @@ class Server:
             text = self._token_texts[token] = self.tokenizer.decode([token])
         return text
 
-    def completion_logprobs(self, ch: _Choice, entries: list) -> dict:
+    def completion_logprobs(self, ch: _Choice, entries: list, whole: bool = False) -> dict:
         """The legacy completions API's log probabilities of ``entries`` (the next tokens of ``ch``):
         tokens, token_logprobs, a dict per token of the most likely ones and the sampled one, and
-        each token's character offset in the text."""
+        each token's character offset in the text. ``whole`` with ``echo``: the prompt's tokens
+        first (the first one with none), as an evaluation harness scores a text."""
+        if whole and ch.job.prompt_logprobs is not None:
+            ids = ch.job.prompt_ids
+            entries = ([(ids[0], None, None)] + [(t, lp, top) for t, (lp, top) in
+                                                 zip(ids[1:], ch.job.request.prompt_logprobs_out)] + entries)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, lp, top in entries:
             text = self.token_text(token)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            best = {self.token_text(t): v for t, v in top}
-            best.setdefault(text, lp)
-            out["top_logprobs"].append(best)
+            if top is None:
+                out["top_logprobs"].append(None)
+            else:
+                best = {self.token_text(t): v for t, v in top}
+                best.setdefault(text, lp)
+                out["top_logprobs"].append(best)
             out["text_offset"].append(ch.logprob_chars)
             ch.logprob_chars += len(text)
         return out
 
-    def chat_logprobs(self, ch: _Choice, entries: list) -> dict:
+    def chat_logprobs(self, ch: _Choice, entries: list, whole: bool = False) -> dict:
         """The chat API's log probabilities of ``entries``: token, logprob, UTF-8 bytes and the most
         likely alternatives per token."""
         def one(token, lp):
@@ -418,7 +429,7 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
     async for _ in srv.events(choices, queue, request):
         pass
     return {**head, "object": obj, "usage": srv.usage(choices),
-            "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs) if asked else None,
+            "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs, True) if asked else None,
                          "finish_reason": ch.finish_reason} for ch in choices]}
 
 

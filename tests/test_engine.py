@@ -94,24 +94,29 @@ def test_sampling_through_engine_with_concurrency_keeps_target_distribution():
 def test_logprobs_are_the_targets_at_every_emitted_position():
     """With ``logprobs``, each emitted token carries the target's log-softmax (raw logits) at its
     position and the most likely tokens in order, whether it was an accepted draft, a correction,
-    a bonus or the first token after prefill; requests without it record nothing."""
+    a bonus or the first token after prefill; ``prompt_logprobs`` does the same for the prompt's
+    tokens after the first, across prefill chunks; requests without them record nothing."""
     target, draft = _tiny(0, vocab=11, scale=2.0), _tiny(1, vocab=11, scale=2.0)
     engine = Engine(target, DraftLMDrafter(draft, block_size=3), FixedPolicy(), max_requests=3, max_len=64,
                     prefill_chunk=4)
     prompts = [[1, 3, 2, 5, 7, 1], [4], [2, 2, 9]]
-    reqs = [engine.add_request(p, SamplingParams(temperature=1.0, seed=s), 20, logprobs=3)
+    reqs = [engine.add_request(p, SamplingParams(temperature=1.0, seed=s), 20, logprobs=3, prompt_logprobs=2)
             for s, p in enumerate(prompts)]
     bare = engine.add_request([3, 4], SamplingParams(temperature=1.0, seed=9), 8)
     engine.run()
     accepted = sum(r.stats.num_accepted_tokens for r in reqs)
     assert 10 < accepted < sum(r.stats.num_draft_tokens for r in reqs)    # accepted drafts and corrections
-    assert bare.output_logprobs == []
+    assert bare.output_logprobs == [] and bare.prompt_logprobs_out == []
     for r in reqs:
         ids = r.prompt_ids + r.output_ids
         cache = target.new_cache(1, len(ids) + 1)
-        rows = torch.arange(len(r.prompt_ids) - 1, len(ids) - 1)
-        ref = torch.log_softmax(target(torch.tensor(ids), [(cache.allocate(), len(ids))], cache,
-                                       logits_rows=rows).logits.float(), -1)
+        every = torch.log_softmax(target(torch.tensor(ids), [(cache.allocate(), len(ids))], cache,
+                                         logits_rows=torch.arange(len(ids) - 1)).logits.float(), -1)
+        prompt, ref = every[:len(r.prompt_ids) - 1], every[len(r.prompt_ids) - 1:]
+        assert len(r.prompt_logprobs_out) == len(r.prompt_ids) - 1
+        for k, (t, (lp, top)) in enumerate(zip(r.prompt_ids[1:], r.prompt_logprobs_out)):
+            assert lp == pytest.approx(float(prompt[k, t]), abs=1e-5), k
+            assert [i for i, _ in top] == prompt[k].topk(2).indices.tolist()
         assert len(r.output_logprobs) == len(r.output_ids)
         for k, (t, (lp, top)) in enumerate(zip(r.output_ids, r.output_logprobs)):
             assert lp == pytest.approx(float(ref[k, t]), abs=1e-5), k

@@ -323,6 +323,28 @@ def test_completion_logprobs_are_the_targets_and_stream_as_whole(client, target_
     assert sum((p.text_offset for p in parts), []) == lp.text_offset
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client, target_fp32):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, max_tokens 1, logprobs 1,
+    temperature 0): the prompt's tokens come first with the target's log probabilities (the first
+    with none), then the generated one; their sum over a continuation is the reference's."""
+    tok = target_fp32.tokenizer
+    context, continuation = tok("The capital of France is")["input_ids"], tok(" Paris.")["input_ids"]
+    ids = context + continuation
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=1, temperature=0,
+                                  logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert r.choices[0].text.startswith(tok.decode(ids))
+    ref = _reference_logprobs(target_fp32, ids[:1], ids[1:])
+    want = [float(ref[k, t]) for k, t in enumerate(ids[1:])]
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert sum(lp.token_logprobs[len(context):-1]) == pytest.approx(sum(want[len(context) - 1:]), abs=1e-3)
+    for t, top in zip(ids[1:], lp.top_logprobs[1:len(ids)]):      # the most likely token and the given one
+        assert tok.decode([t]) in top and 1 <= len(top) <= 2
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
 def test_chat_logprobs_greedy_and_cut_at_a_stop_string(client, target_fp32):
     """Chat log probabilities in the OpenAI shape (token, logprob, bytes, top_logprobs); at
     temperature 0 the sampled token is the most likely one; with a stop string they end at the
@@ -357,7 +379,7 @@ def test_chat_logprobs_greedy_and_cut_at_a_stop_string(client, target_fp32):
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "logprobs": -1}, "logprobs"),
-    ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo with logprobs"),
+    ({"prompt": "hi", "logprobs": 1, "echo": True, "stream": True}, "echo with logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs requires logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
