@@ -29,7 +29,7 @@ from .drafters.base import DraftContext, Drafter, PlainDrafter, Proposal
 from .errors import UsageError
 from .metrics import GenerationStats
 from .runtime.model import Decoder
-from .sampling import SamplingParams, sample_from_logits, token_logprobs
+from .sampling import SamplingParams, penalised_logits, sample_from_logits, token_logprobs
 from .scheduling.policies import FixedPolicy, Policy
 from .verify import verify
 
@@ -219,9 +219,11 @@ class Engine:
         at = 0
         for r, p, sent, start in zip(decode, proposals, seg_len, seg_start):
             l = len(p)
-            logits = out.logits[at:at + l + 1]
+            logits = out.logits[at:at + l + 1]     # raw: what log probabilities report
             at += l + 1
-            n, nxt = verify(p.tokens, p.probs, logits, r.params, r.generator)
+            law = (penalised_logits(logits, r.params, r.prompt_ids, r.output_ids, p.tokens)
+                   if r.params.penalised else logits)
+            n, nxt = verify(p.tokens, p.probs, law, r.params, r.generator)
             self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
             if feats is not None:
                 r.ctx.features.append(feats[start:start + n + 1])
@@ -245,7 +247,10 @@ class Engine:
                 at += scored
             if not completes:
                 continue
-            first, _ = sample_from_logits(out.logits[at], r.params, r.generator)
+            law = out.logits[at:at + 1]
+            if r.params.penalised:
+                law = penalised_logits(law, r.params, r.prompt_ids, [])
+            first, _ = sample_from_logits(law[0], r.params, r.generator)
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features)
             at += 1

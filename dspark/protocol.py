@@ -1,10 +1,11 @@
 """The OpenAI API's request bodies (completions, chat completions) as pydantic models, and the text
 side of a response: incremental detokenisation with stop strings.
 
-Fields the engine cannot honour are refused with a clear 400 rather than ignored: penalties and
-logit biases (they change the distribution the speculative decoder must reproduce exactly), the
-prompt's log probabilities in a stream (``echo`` with ``logprobs`` and ``stream``), tools, and any
-field the API does not define. vLLM's extensions ``top_k`` and ``ignore_eos`` are accepted. Log
+Fields the engine cannot honour are refused with a clear 400 rather than ignored: logit biases,
+the prompt's log probabilities in a stream (``echo`` with ``logprobs`` and ``stream``), tools, and
+any field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty`` and
+``ignore_eos`` are accepted; the penalties define the distribution the output follows (the
+target's penalised logits), which speculative decoding reproduces exactly. Log
 probabilities are the target's own (log-softmax of its raw logits, before temperature and
 truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``echo`` with
 ``logprobs`` also scores the prompt's tokens (the first has none), as evaluation harnesses ask.
@@ -41,8 +42,9 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-text tokens")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -58,9 +60,6 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (they change the "
-                             "distribution that speculative decoding reproduces)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:

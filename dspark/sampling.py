@@ -22,8 +22,20 @@ class SamplingParams:
     top_k: int = 0             # 0 or -1 = off
     top_p: float = 1.0         # in (0, 1]; 1 = off
     seed: int | None = None
+    # penalties on the target's logits, as vLLM applies them (``penalised_logits``): they define
+    # the distribution the output follows, which speculative decoding then reproduces exactly
+    presence_penalty: float = 0.0      # in [-2, 2]: minus this for every token the output holds
+    frequency_penalty: float = 0.0     # in [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0    # > 0: logits of tokens in the prompt or output / it (x it below 0)
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or math.isnan(v) or not -2 <= v <= 2:
+                raise UsageError(f"{name.replace('_', ' ')} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r) or r <= 0:
+            raise UsageError(f"repetition penalty must be a finite number > 0, got {r!r}")
         t, k, p = self.temperature, self.top_k, self.top_p
         if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
             raise UsageError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -37,6 +49,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def generator(self, device="cpu") -> torch.Generator:
         """The request's own random stream: a seed fixes the request's output."""
@@ -144,3 +160,29 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tu
         return [(c, []) for c in chosen]
     v, i = lp.topk(min(top, lp.shape[-1]), -1)
     return [(c, list(zip(ii, vv))) for c, ii, vv in zip(chosen, i.tolist(), v.tolist())]
+
+
+def penalised_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                     drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's logits [n, V] with the penalties applied, row k after the output so far plus the
+    first k drafts (the text that row k's token would follow), as vLLM orders them: the repetition
+    penalty on tokens seen in the prompt or that text (positive logits divided by it, negative ones
+    multiplied), then minus the frequency penalty times each token's count in the text and minus
+    the presence penalty for each token in it (the output's tokens only, not the prompt's). fp32."""
+    n, vocab = logits.shape
+    dev = logits.device
+    x = logits.float().clone()
+    counts = torch.zeros(vocab, device=dev)
+    if output_ids:
+        counts.index_add_(0, torch.tensor(output_ids, device=dev), torch.ones(len(output_ids), device=dev))
+    counts = counts.expand(n, vocab).clone()
+    if n > 1 and drafts is not None and len(drafts):
+        onehot = torch.nn.functional.one_hot(drafts[:n - 1].to(dev).long(), vocab).float()
+        counts[1:1 + onehot.shape[0]] += onehot.cumsum(0)
+    seen = counts > 0
+    if params.repetition_penalty != 1.0:
+        in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        in_prompt[torch.tensor(prompt_ids, device=dev, dtype=torch.long)] = True
+        rp = params.repetition_penalty
+        x = torch.where(seen | in_prompt, torch.where(x > 0, x / rp, x * rp), x)
+    return x - params.frequency_penalty * counts - params.presence_penalty * seen.float()

@@ -288,7 +288,10 @@ class Server:
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j
                 try:
-                    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed)
+                    params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed,
+                                            presence_penalty=body.presence_penalty,
+                                            frequency_penalty=body.frequency_penalty,
+                                            repetition_penalty=body.repetition_penalty)
                 except DsparkError as e:
                     raise ApiError(400, str(e)) from None
                 ch = _Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop))

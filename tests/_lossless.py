@@ -10,16 +10,32 @@ from scipy.stats import chisquare
 from dspark.sampling import probs_from_logits
 
 
+def naive_penalised(row, params, prompt, text):
+    """One row's penalised logits, token by token (the reference of sampling.penalised_logits):
+    the repetition penalty on tokens in the prompt or ``text``, then minus frequency x count and
+    presence over ``text``."""
+    out = row.float().clone()
+    for v in range(out.shape[0]):
+        c = text.count(v)
+        if params.repetition_penalty != 1.0 and (c or v in prompt):
+            out[v] = out[v] / params.repetition_penalty if out[v] > 0 else out[v] * params.repetition_penalty
+        out[v] -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
+    return out
+
+
 def exact_law(target, prompt, n_new, params, vocab):
-    """{continuation: probability} of every ``n_new``-token continuation under the target."""
+    """{continuation: probability} of every ``n_new``-token continuation under the target (its
+    logits penalised token by token when ``params`` has penalties)."""
     cache = target.new_cache(1, len(prompt) + n_new + 1)
     slot = cache.allocate()
     law = {}
     for seq in itertools.product(range(vocab), repeat=n_new):
         cache.truncate(slot, 0)
         ids = prompt + list(seq)
-        logits = target(torch.tensor(ids), [(slot, len(ids))], cache).logits
-        probs = probs_from_logits(logits[len(prompt) - 1:len(ids) - 1], params)
+        logits = target(torch.tensor(ids), [(slot, len(ids))], cache).logits[len(prompt) - 1:len(ids) - 1]
+        if params.penalised:
+            logits = torch.stack([naive_penalised(logits[i], params, prompt, list(seq[:i])) for i in range(n_new)])
+        probs = probs_from_logits(logits, params)
         law[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
     return law
 

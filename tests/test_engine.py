@@ -127,6 +127,38 @@ def test_logprobs_are_the_targets_at_every_emitted_position():
         engine.add_request([1], GREEDY, 2, logprobs=-1)
 
 
+def test_penalties_keep_the_penalised_targets_distribution():
+    """Presence, frequency and repetition penalties through drafting: the output follows the target's
+    penalised law (each verified row penalised for the output plus the drafts before it), under
+    verification lengths that vary; greedy with penalties equals plain decoding with them."""
+    target, draft = _tiny(0), _tiny(1)
+    params = dict(temperature=1.0, presence_penalty=2.0, frequency_penalty=1.0, repetition_penalty=2.0)
+    prompt, n_new, draws = [1, 3, 2], 3, 3000
+    policy = _CyclingPolicy()
+    engine = Engine(target, DraftLMDrafter(draft, block_size=3), policy, max_requests=6, max_len=24)
+    reqs = [engine.add_request(prompt, SamplingParams(seed=s, **params), 5) for s in range(draws)]
+    engine.run()
+    assert {1, 2, 3} <= policy.used, f"verification lengths used: {policy.used}"
+    counts = {}
+    for r in reqs:
+        counts[tuple(r.output_ids[:n_new])] = counts.get(tuple(r.output_ids[:n_new]), 0) + 1
+    penalised = SamplingParams(**params)
+    law = exact_law(target, prompt, n_new, penalised, 5)
+    assert chi2_pvalue(counts, law) > 1e-3
+    unpenalised = exact_law(target, prompt, n_new, SamplingParams(temperature=1.0), 5)
+    assert chi2_pvalue(counts, unpenalised) < 1e-6, "the penalties changed nothing: the test shows nothing"
+    greedy = SamplingParams(temperature=0, frequency_penalty=1.5, repetition_penalty=1.3)
+    big, big_draft = _tiny(0, vocab=11, scale=2.0), _tiny(1, vocab=11, scale=2.0)
+    accepted, changed = 0, 0
+    for p in ([1, 2, 3], [4, 4, 4, 4], [7]):
+        plain = generate_ids(big, p, greedy, 16, None)[0]
+        spec, stats = generate_ids(big, p, greedy, 16, DraftLMDrafter(big_draft, block_size=3))
+        assert spec == plain
+        accepted += stats.num_accepted_tokens
+        changed += plain != generate_ids(big, p, GREEDY, 16, None)[0]
+    assert accepted > 0 and changed > 0
+
+
 def test_cancel_frees_memory_at_once():
     target, draft = _tiny(0, vocab=11), _tiny(1, vocab=11)
     drafter = DraftLMDrafter(draft, block_size=2)

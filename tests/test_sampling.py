@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from dspark.errors import UsageError
-from dspark.sampling import SamplingParams, probs_from_logits, sample_from_logits
+from dspark.sampling import SamplingParams, penalised_logits, probs_from_logits, sample_from_logits
+
+from _lossless import naive_penalised
 
 
 def test_temperature_top_k_top_p():
@@ -42,7 +44,9 @@ def test_seeded_generator_repeats():
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")),
                                     dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
-                                    dict(top_k=1.5), dict(seed=-1)])
+                                    dict(top_k=1.5), dict(seed=-1), dict(presence_penalty=2.5),
+                                    dict(frequency_penalty=float("nan")), dict(repetition_penalty=0.0),
+                                    dict(repetition_penalty=float("inf"))])
 def test_bad_settings_are_usage_errors(kwargs):
     with pytest.raises(UsageError):
         SamplingParams(**kwargs)
@@ -116,3 +120,22 @@ def test_top_k_top_p_match_the_reference(top_k, top_p):
     for got in (torch.stack([probs_from_logits(row, params) for row in logits]), probs_from_logits(logits, params)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         assert ((got > 0) == (want > 0)).all()
+
+
+@pytest.mark.parametrize("pen", [dict(presence_penalty=0.7), dict(frequency_penalty=-0.4),
+                                 dict(repetition_penalty=1.6), dict(repetition_penalty=0.5),
+                                 dict(presence_penalty=0.3, frequency_penalty=0.5, repetition_penalty=1.2)])
+def test_penalties_match_a_token_by_token_reference_along_the_drafts(pen):
+    """Row k is penalised for the output so far plus the first k drafts."""
+    torch.manual_seed(0)
+    params = SamplingParams(**pen)
+    assert params.penalised and not SamplingParams().penalised
+    prompt, output, drafts = [1, 4, 4, 9], [2, 7, 2], torch.tensor([7, 3, 3, 10])
+    logits = torch.randn(5, 11, dtype=torch.bfloat16) * 3
+    got = penalised_logits(logits, params, prompt, output, drafts)
+    assert got.dtype == torch.float32
+    for k in range(5):
+        want = naive_penalised(logits[k], params, prompt, output + drafts[:k].tolist())
+        torch.testing.assert_close(got[k], want)
+    assert torch.equal(penalised_logits(logits[:1], params, prompt, []),
+                       naive_penalised(logits[0], params, prompt, [])[None])

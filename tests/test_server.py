@@ -154,7 +154,8 @@ def test_seeded_choices_are_reproducible(target_fp32):
     ({"prompt": [10 ** 9]}, 400, "vocabulary"),
     ({"prompt": "hi", "max_tokens": 10 ** 6}, 400, "maximum context length"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "penalty"),
+    ({"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"messages": []}, 400, "messages"),
@@ -343,6 +344,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     for t, top in zip(ids[1:], lp.top_logprobs[1:len(ids)]):      # the most likely token and the given one
         assert tok.decode([t]) in top and 1 <= len(top) <= 2
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_penalties_give_plain_decodings_penalised_output(client, target_fp32):
+    """presence / frequency penalties and vLLM's repetition_penalty reach the engine: greedy with
+    them equals plain decoding with the same penalties, and differs from the output without."""
+    tok = target_fp32.tokenizer
+    ids = tok(PROMPTS[2])["input_ids"]
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    want, _ = generate_ids(target_fp32.model, ids, SamplingParams(temperature=0, **pen), 32, PlainDrafter(),
+                           eos_ids=target_fp32.eos_token_ids)
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=32, temperature=0,
+                                  presence_penalty=0.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert want != plain(target_fp32, ids, 32)
 
 
 def test_chat_logprobs_greedy_and_cut_at_a_stop_string(client, target_fp32):
