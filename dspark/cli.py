@@ -72,6 +72,10 @@ def _add_sampling_flags(p: argparse.ArgumentParser, temperature: float = 0.0) ->
     p.add_argument("--top-p", type=_float, default=1.0)
     p.add_argument("--top-k", type=_int, default=0, help="0 or -1 = off")
     p.add_argument("--seed", type=_int, default=None)
+    p.add_argument("--presence-penalty", type=_float, default=0.0, help="in [-2, 2], on the output's tokens")
+    p.add_argument("--frequency-penalty", type=_float, default=0.0, help="in [-2, 2], x each token's count in the output")
+    p.add_argument("--repetition-penalty", type=_float, default=1.0,
+                   help="> 0, on tokens of the prompt and the output (1 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,7 +223,8 @@ def cmd_generate(args) -> int:
         raise UsageError("prompt is empty")
     check_max_new_tokens(args.max_new_tokens)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed)
+                            seed=args.seed, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     if args.num_draft is not None and args.num_draft < 0:
         raise UsageError("num-draft must be >= 0")
     _setup_torch(args)

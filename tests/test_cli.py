@@ -43,6 +43,8 @@ def test_generate_json(target_fp32):
     (["--prompt", "hi", "--drafter", "no-such-drafter"], "unknown drafter"),
     (["--prompt", "hi", "--target", "/nonexistent/model.gguf"], "neither"),
     (["--prompt", "hi", "--temperature", "abc"], "expected a number"),
+    (["--prompt", "hi", "--frequency-penalty", "3"], "frequency penalty"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], "repetition penalty"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, needle, capsys):
     code = main(["generate", *args])
