@@ -45,6 +45,7 @@ class Request:
     on_tokens: Callable | None = None     # called with each list of newly emitted tokens
     logprobs: int | None = None           # None, or how many most likely tokens to record per position
     prompt_logprobs: int | None = None    # the same for the prompt's tokens (from the second on)
+    min_tokens: int = 0                   # no stop token among the first this many output tokens
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
     status: str = "waiting"               # waiting | running | finished | cancelled
@@ -94,10 +95,12 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
                     stop_ids=None, on_tokens=None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> Request:
+                    prompt_logprobs: int | None = None, min_tokens: int = 0) -> Request:
         """``logprobs``: record each output token's log probability and this many most likely
         tokens' (Request.output_logprobs; None = nothing recorded); ``prompt_logprobs``: the same for
-        every prompt token after the first (Request.prompt_logprobs_out, filled as it prefills)."""
+        every prompt token after the first (Request.prompt_logprobs_out, filled as it prefills);
+        ``min_tokens``: the stop tokens have probability 0 until the output holds that many (the
+        law the output then follows, which speculative decoding reproduces like any other)."""
         if not prompt_ids:
             raise UsageError("prompt is empty")
         for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -105,11 +108,16 @@ class Engine:
                 raise UsageError(f"{name} must be in [0, {self.target.config.vocab_size}], got {k}")
         if max_new_tokens <= 0:
             raise UsageError(f"max-new-tokens must be > 0, got {max_new_tokens}")
+        if not isinstance(min_tokens, int) or min_tokens < 0:
+            raise UsageError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
         if max_new_tokens > self.room(len(prompt_ids)):
             raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) "
                              f"exceed the per-request cache of {self.cache.max_len} tokens")
         stops = self.eos_ids if stop_ids is None else frozenset(stop_ids)
-        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs, prompt_logprobs)
+        if any(not 0 <= t < self.target.config.vocab_size for t in stops):
+            raise UsageError(f"stop token ids must be in [0, {self.target.config.vocab_size}), got {sorted(stops)}")
+        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs, prompt_logprobs,
+                      min_tokens)
         req.generator = params.generator(self.target.device)
         req.t_start = time.perf_counter()
         self.waiting.append(req)
@@ -221,9 +229,7 @@ class Engine:
             l = len(p)
             logits = out.logits[at:at + l + 1]     # raw: what log probabilities report
             at += l + 1
-            law = (penalised_logits(logits, r.params, r.prompt_ids, r.output_ids, p.tokens)
-                   if r.params.penalised else logits)
-            n, nxt = verify(p.tokens, p.probs, law, r.params, r.generator)
+            n, nxt = verify(p.tokens, p.probs, self._law(r, logits, p.tokens), r.params, r.generator)
             self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
             if feats is not None:
                 r.ctx.features.append(feats[start:start + n + 1])
@@ -247,16 +253,26 @@ class Engine:
                 at += scored
             if not completes:
                 continue
-            law = out.logits[at:at + 1]
-            if r.params.penalised:
-                law = penalised_logits(law, r.params, r.prompt_ids, [])
-            first, _ = sample_from_logits(law[0], r.params, r.generator)
+            first, _ = sample_from_logits(self._law(r, out.logits[at:at + 1])[0], r.params, r.generator)
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features)
             at += 1
             if self._emit(r, [int(first)], out.logits[at - 1:at]):
                 ended.append(r)
         return ended
+
+    @staticmethod
+    def _law(r: Request, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits r's tokens are drawn from at these rows (row k follows the output plus the first
+        k drafts): the target's, penalised (SamplingParams) and with the stop tokens ruled out
+        before ``min_tokens``; the raw logits when neither applies."""
+        if r.params.penalised:
+            logits = penalised_logits(logits, r.params, r.prompt_ids, r.output_ids, drafts)
+        early = r.min_tokens - len(r.output_ids)        # rows 0 .. early - 1 come before min_tokens
+        if early > 0 and r.stop_ids:
+            logits = logits.float().clone()
+            logits[:early, list(r.stop_ids)] = float("-inf")
+        return logits
 
     def _draft(self, decode: list[Request]) -> list[Proposal]:
         proposals = [Proposal.empty() for _ in decode]

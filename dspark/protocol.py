@@ -3,8 +3,8 @@ side of a response: incremental detokenisation with stop strings.
 
 Fields the engine cannot honour are refused with a clear 400 rather than ignored: logit biases,
 the prompt's log probabilities in a stream (``echo`` with ``logprobs`` and ``stream``), tools, and
-any field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty`` and
-``ignore_eos`` are accepted; the penalties define the distribution the output follows (the
+any field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the penalties define the distribution the output follows (the
 target's penalised logits), which speculative decoding reproduces exactly. Log
 probabilities are the target's own (log-softmax of its raw logits, before temperature and
 truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``echo`` with
@@ -42,6 +42,9 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-text tokens")
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOPS,
+                                      description="vLLM extension: token ids that end a choice too (kept in its tokens)")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: no stop token before this many tokens")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
@@ -57,6 +60,13 @@ class _Sampling(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -99,6 +99,7 @@ class Job:
     sink: object
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
     request: object = None
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
@@ -198,7 +199,7 @@ class EngineWorker:
         try:
             job.request = self.engine.add_request(job.prompt_ids, job.params, job.max_new_tokens,
                                                   stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs,
-                                                  prompt_logprobs=job.prompt_logprobs)
+                                                  prompt_logprobs=job.prompt_logprobs, min_tokens=job.min_tokens)
         except DsparkError as e:
             job.sink(("error", str(e)))
             return
@@ -282,7 +283,10 @@ class Server:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         limits = [self.limit(p, max_tokens) for p in prompts]      # all checked before any is submitted
-        stop_ids = frozenset() if body.ignore_eos else None
+        vocab = self.target.model.config.vocab_size
+        if any(t >= vocab for t in body.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids must be below the vocabulary size {vocab}", param="stop_token_ids")
+        stop_ids = (frozenset() if body.ignore_eos else self.engine.eos_ids) | frozenset(body.stop_token_ids)
         choices = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
@@ -300,7 +304,7 @@ class Server:
                 def sink(ev, i=ch.index):
                     loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
                 scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
-                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored)
+                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored, body.min_tokens)
         for ch in choices:
             self.worker.submit(ch.job)
         return choices, queue

@@ -23,9 +23,9 @@ def naive_penalised(row, params, prompt, text):
     return out
 
 
-def exact_law(target, prompt, n_new, params, vocab):
+def exact_law(target, prompt, n_new, params, vocab, banned=()):
     """{continuation: probability} of every ``n_new``-token continuation under the target (its
-    logits penalised token by token when ``params`` has penalties)."""
+    logits penalised token by token when ``params`` has penalties; ``banned`` tokens ruled out)."""
     cache = target.new_cache(1, len(prompt) + n_new + 1)
     slot = cache.allocate()
     law = {}
@@ -35,6 +35,9 @@ def exact_law(target, prompt, n_new, params, vocab):
         logits = target(torch.tensor(ids), [(slot, len(ids))], cache).logits[len(prompt) - 1:len(ids) - 1]
         if params.penalised:
             logits = torch.stack([naive_penalised(logits[i], params, prompt, list(seq[:i])) for i in range(n_new)])
+        if banned:
+            logits = logits.float().clone()
+            logits[:, list(banned)] = float("-inf")
         probs = probs_from_logits(logits, params)
         law[seq] = float(np.prod([float(probs[i, t]) for i, t in enumerate(seq)]))
     return law

@@ -159,6 +159,32 @@ def test_penalties_keep_the_penalised_targets_distribution():
     assert accepted > 0 and changed > 0
 
 
+def test_min_tokens_rules_out_stop_tokens_and_keeps_the_law():
+    """Before ``min_tokens`` the stop tokens have probability 0: drafted ones are rejected, and the
+    first tokens fit the target's law with them ruled out (chi-square, varying verification
+    lengths); afterwards a stop token ends the request again."""
+    target, draft = _tiny(0), _tiny(1)
+    prompt, n_new, draws, stop = [1, 3, 2], 3, 3000, 0
+    policy = _CyclingPolicy()
+    engine = Engine(target, DraftLMDrafter(draft, block_size=3), policy, max_requests=6, max_len=40)
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), 12, stop_ids={stop}, min_tokens=n_new)
+            for s in range(draws)]
+    engine.run()
+    assert {1, 2, 3} <= policy.used
+    counts = {}
+    for r in reqs:
+        assert stop not in r.output_ids[:n_new] and len(r.output_ids) >= n_new
+        counts[tuple(r.output_ids[:n_new])] = counts.get(tuple(r.output_ids[:n_new]), 0) + 1
+    law = exact_law(target, prompt, n_new, SamplingParams(temperature=1.0), 5, banned=[stop])
+    assert chi2_pvalue(counts, law) > 1e-3
+    assert sum(r.finish_reason == "stop" for r in reqs) > draws / 4     # the stop token still ends them
+    assert sum(r.stats.num_accepted_tokens for r in reqs) > 0
+    with pytest.raises(UsageError, match="min_tokens"):
+        engine.add_request(prompt, GREEDY, 4, min_tokens=-1)
+    with pytest.raises(UsageError, match="stop token ids"):
+        engine.add_request(prompt, GREEDY, 4, stop_ids={99})
+
+
 def test_cancel_frees_memory_at_once():
     target, draft = _tiny(0, vocab=11), _tiny(1, vocab=11)
     drafter = DraftLMDrafter(draft, block_size=2)

@@ -360,6 +360,30 @@ def test_penalties_give_plain_decodings_penalised_output(client, target_fp32):
     assert want != plain(target_fp32, ids, 32)
 
 
+def test_stop_token_ids_and_min_tokens(client, target_fp32):
+    """vLLM's stop_token_ids end a choice at that token (kept, as vLLM keeps non-special ones);
+    min_tokens keeps end-of-text away until that many tokens (greedy: plain decoding of the law with
+    the stop tokens ruled out until then)."""
+    tok = target_fp32.tokenizer
+    ids = tok(PROMPTS[0])["input_ids"]
+    want = plain(target_fp32, ids, 16)
+    r = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=16, temperature=0,
+                                  extra_body={"stop_token_ids": [want[5]]})
+    cut = want.index(want[5]) + 1
+    assert r.choices[0].text == tok.decode(want[:cut]) and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == cut
+    msgs = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+    short = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=40, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
+    long = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=40, temperature=0,
+                                          extra_body={"min_tokens": 20})
+    assert long.usage.completion_tokens >= 20
+    assert long.choices[0].message.content.startswith(short.choices[0].message.content)
+    status, out = post(client.base_url.__str__().rstrip("/") + "/completions",
+                       {"prompt": "hi", "stop_token_ids": [10 ** 9]})
+    assert status == 400 and "stop_token_ids" in out["error"]["message"]
+
+
 def test_chat_logprobs_greedy_and_cut_at_a_stop_string(client, target_fp32):
     """Chat log probabilities in the OpenAI shape (token, logprob, bytes, top_logprobs); at
     temperature 0 the sampled token is the most likely one; with a stop string they end at the
