@@ -2,8 +2,7 @@
 side of a response: incremental detokenisation with stop strings.
 
 Fields the engine cannot honour are refused with a clear 400 rather than ignored: logit biases,
-the prompt's log probabilities in a stream (``echo`` with ``logprobs`` and ``stream``), tools, and
-any field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty``,
+tools, and any field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the penalties define the distribution the output follows (the
 target's penalised logits), which speculative decoding reproduces exactly. Log
 probabilities are the target's own (log-softmax of its raw logits, before temperature and
@@ -108,8 +107,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _refused(self):
-        if self.logprobs is not None and self.echo and self.stream:
-            raise ValueError("echo with logprobs (the prompt's log probabilities) is not supported with stream=true")
         if self.best_of not in (None, 1) and self.best_of != self.n:
             raise ValueError("best_of is not supported")
         if self.suffix:

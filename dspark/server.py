@@ -408,24 +408,33 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                    chunk_obj: str, delta, opening, whole, logprobs):
     """The response of either endpoint: a stream of chunks (``opening(choice)``'s fields first, then
     ``delta(text)`` per piece of text, the usage if asked, [DONE]) or, once every choice has ended,
-    one object (``whole(choice)`` per choice); ``logprobs(choice, entries)`` formats the log
-    probabilities of a chunk's or the whole output's tokens, when the request asked for them."""
+    one object (``whole(choice)`` per choice); ``logprobs(choice, entries, whole)`` formats the log
+    probabilities of a chunk's or the whole output's tokens, when the request asked for them. With
+    the prompt's log probabilities (``echo``), a stream's opening chunk of a choice carries them,
+    so it waits for the choice's first tokens (the prompt has been scored by then)."""
     head = {"id": f"{prefix}-{secrets.token_hex(12)}", "created": int(time.time()), "model": srv.model_name}
     asked = body.num_logprobs is not None
 
-    def chunk(ch, fields, finish=None, entries=None):
-        lp = logprobs(ch, entries) if asked and entries else None
+    def chunk(ch, fields, finish=None, lp=None):
         return {**head, "object": chunk_obj,
                 "choices": [{"index": ch.index, **fields, "logprobs": lp, "finish_reason": finish}]}
 
     if body.stream:
         async def stream():
+            scored = asked and any(ch.job.prompt_logprobs is not None for ch in choices)
+            opened = set()
             try:
-                for ch in choices:
-                    for fields in opening(ch):
-                        yield _sse(chunk(ch, fields))
+                if not scored:
+                    for ch in choices:
+                        for fields in opening(ch):
+                            yield _sse(chunk(ch, fields))
                 async for ch, text, entries in srv.events(choices, queue, request):
-                    yield _sse(chunk(ch, delta(text), ch.finish_reason, entries))
+                    if scored and ch.index not in opened:
+                        opened.add(ch.index)
+                        for fields in opening(ch):
+                            yield _sse(chunk(ch, fields, lp=logprobs(ch, [], True)))
+                    lp = logprobs(ch, entries) if asked and entries else None
+                    yield _sse(chunk(ch, delta(text), ch.finish_reason, lp))
             except ApiError as e:
                 yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
                 return

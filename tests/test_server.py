@@ -344,6 +344,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     for t, top in zip(ids[1:], lp.top_logprobs[1:len(ids)]):      # the most likely token and the given one
         assert tok.decode([t]) in top and 1 <= len(top) <= 2
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    stream = list(client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=4,
+                                            temperature=0, logprobs=1, echo=True, stream=True))
+    first = stream[0].choices[0]        # the echo, with the prompt's log probabilities
+    assert first.text == tok.decode(ids) and first.logprobs.token_logprobs[0] is None
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), [])[:len(ids) + 1] == lp.tokens
+    assert sum((p.token_logprobs for p in parts), [])[1:len(ids)] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
+    assert sum((p.text_offset for p in parts), [])[:len(ids) + 1] == lp.text_offset
 
 
 def test_penalties_give_plain_decodings_penalised_output(client, target_fp32):
@@ -418,7 +426,6 @@ def test_chat_logprobs_greedy_and_cut_at_a_stop_string(client, target_fp32):
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "logprobs": -1}, "logprobs"),
-    ({"prompt": "hi", "logprobs": 1, "echo": True, "stream": True}, "echo with logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs requires logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
