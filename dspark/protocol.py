@@ -1,10 +1,11 @@
 """The OpenAI API's request bodies (completions, chat completions) as pydantic models, and the text
 side of a response: incremental detokenisation with stop strings.
 
-Fields the engine cannot honour are refused with a clear 400 rather than ignored: logit biases,
-tools, and any field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the penalties define the distribution the output follows (the
-target's penalised logits), which speculative decoding reproduces exactly. Log
+Fields the engine cannot honour are refused with a clear 400 rather than ignored: tools, and any
+field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the logit bias, penalties and
+``min_tokens`` define the distribution the output follows (the target's processed logits), which
+speculative decoding reproduces exactly. Log
 probabilities are the target's own (log-softmax of its raw logits, before temperature and
 truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``echo`` with
 ``logprobs`` also scores the prompt's tokens (the first has none), as evaluation harnesses ask.
@@ -47,7 +48,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to its logit")
     user: str | None = None
 
     @field_validator("stop")
@@ -69,8 +70,11 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for k, v in (self.logit_bias or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100 <= v <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self

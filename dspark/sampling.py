@@ -27,12 +27,20 @@ class SamplingParams:
     presence_penalty: float = 0.0      # in [-2, 2]: minus this for every token the output holds
     frequency_penalty: float = 0.0     # in [-2, 2]: minus this times the token's count in the output
     repetition_penalty: float = 1.0    # > 0: logits of tokens in the prompt or output / it (x it below 0)
+    logit_bias: tuple = ()             # ((token id, bias in [-100, 100]), ...): added to the logits first
 
     def __post_init__(self):
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or math.isnan(v) or not -2 <= v <= 2:
                 raise UsageError(f"{name.replace('_', ' ')} must be in [-2, 2], got {v!r}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise UsageError("logit bias names a token twice")
+        for t, b in self.logit_bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise UsageError(f"logit bias token ids must be integers >= 0, got {t!r}")
+            if not isinstance(b, (int, float)) or math.isnan(b) or not -100 <= b <= 100:
+                raise UsageError(f"logit bias values must be in [-100, 100], got {b!r}")
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r) or r <= 0:
             raise UsageError(f"repetition penalty must be a finite number > 0, got {r!r}")
@@ -52,7 +60,8 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def generator(self, device="cpu") -> torch.Generator:
         """The request's own random stream: a seed fixes the request's output."""
@@ -164,14 +173,18 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tu
 
 def penalised_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                      drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's logits [n, V] with the penalties applied, row k after the output so far plus the
-    first k drafts (the text that row k's token would follow), as vLLM orders them: the repetition
-    penalty on tokens seen in the prompt or that text (positive logits divided by it, negative ones
-    multiplied), then minus the frequency penalty times each token's count in the text and minus
-    the presence penalty for each token in it (the output's tokens only, not the prompt's). fp32."""
+    """The target's logits [n, V] with the logit bias and penalties applied, row k after the output so
+    far plus the first k drafts (the text that row k's token would follow), as vLLM orders them: the
+    bias added, then the repetition penalty on tokens seen in the prompt or that text (positive
+    logits divided by it, negative ones multiplied), then minus the frequency penalty times each
+    token's count in the text and minus the presence penalty for each token in it (the output's
+    tokens only, not the prompt's). fp32."""
     n, vocab = logits.shape
     dev = logits.device
     x = logits.float().clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        x[:, list(ids)] += torch.tensor(bias, dtype=x.dtype, device=dev)
     counts = torch.zeros(vocab, device=dev)
     if output_ids:
         counts.index_add_(0, torch.tensor(output_ids, device=dev), torch.ones(len(output_ids), device=dev))

@@ -287,6 +287,9 @@ class Server:
         if any(t >= vocab for t in body.stop_token_ids):
             raise ApiError(400, f"stop_token_ids must be below the vocabulary size {vocab}", param="stop_token_ids")
         stop_ids = (frozenset() if body.ignore_eos else self.engine.eos_ids) | frozenset(body.stop_token_ids)
+        bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
+        if any(t >= vocab for t, _ in bias):
+            raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {vocab}", param="logit_bias")
         choices = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
@@ -295,7 +298,7 @@ class Server:
                     params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed,
                                             presence_penalty=body.presence_penalty,
                                             frequency_penalty=body.frequency_penalty,
-                                            repetition_penalty=body.repetition_penalty)
+                                            repetition_penalty=body.repetition_penalty, logit_bias=bias)
                 except DsparkError as e:
                     raise ApiError(400, str(e)) from None
                 ch = _Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop))

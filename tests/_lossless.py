@@ -11,10 +11,12 @@ from dspark.sampling import probs_from_logits
 
 
 def naive_penalised(row, params, prompt, text):
-    """One row's penalised logits, token by token (the reference of sampling.penalised_logits):
-    the repetition penalty on tokens in the prompt or ``text``, then minus frequency x count and
-    presence over ``text``."""
+    """One row's penalised logits, token by token (the reference of sampling.penalised_logits): the
+    logit bias, then the repetition penalty on tokens in the prompt or ``text``, then minus
+    frequency x count and presence over ``text``."""
     out = row.float().clone()
+    for t, b in params.logit_bias:
+        out[t] += b
     for v in range(out.shape[0]):
         c = text.count(v)
         if params.repetition_penalty != 1.0 and (c or v in prompt):

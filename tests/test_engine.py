@@ -128,11 +128,12 @@ def test_logprobs_are_the_targets_at_every_emitted_position():
 
 
 def test_penalties_keep_the_penalised_targets_distribution():
-    """Presence, frequency and repetition penalties through drafting: the output follows the target's
-    penalised law (each verified row penalised for the output plus the drafts before it), under
+    """A logit bias with presence, frequency and repetition penalties through drafting: the output
+    follows the target's processed law (each verified row penalised for the output plus the drafts before it), under
     verification lengths that vary; greedy with penalties equals plain decoding with them."""
     target, draft = _tiny(0), _tiny(1)
-    params = dict(temperature=1.0, presence_penalty=2.0, frequency_penalty=1.0, repetition_penalty=2.0)
+    params = dict(temperature=1.0, presence_penalty=2.0, frequency_penalty=1.0, repetition_penalty=2.0,
+                  logit_bias=((4, 1.5),))
     prompt, n_new, draws = [1, 3, 2], 3, 3000
     policy = _CyclingPolicy()
     engine = Engine(target, DraftLMDrafter(draft, block_size=3), policy, max_requests=6, max_len=24)
@@ -147,7 +148,7 @@ def test_penalties_keep_the_penalised_targets_distribution():
     assert chi2_pvalue(counts, law) > 1e-3
     unpenalised = exact_law(target, prompt, n_new, SamplingParams(temperature=1.0), 5)
     assert chi2_pvalue(counts, unpenalised) < 1e-6, "the penalties changed nothing: the test shows nothing"
-    greedy = SamplingParams(temperature=0, frequency_penalty=1.5, repetition_penalty=1.3)
+    greedy = SamplingParams(temperature=0, frequency_penalty=1.5, repetition_penalty=1.3, logit_bias=((5, 0.7),))
     big, big_draft = _tiny(0, vocab=11, scale=2.0), _tiny(1, vocab=11, scale=2.0)
     accepted, changed = 0, 0
     for p in ([1, 2, 3], [4, 4, 4, 4], [7]):

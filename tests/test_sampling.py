@@ -46,7 +46,8 @@ def test_seeded_generator_repeats():
                                     dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
                                     dict(top_k=1.5), dict(seed=-1), dict(presence_penalty=2.5),
                                     dict(frequency_penalty=float("nan")), dict(repetition_penalty=0.0),
-                                    dict(repetition_penalty=float("inf"))])
+                                    dict(repetition_penalty=float("inf")), dict(logit_bias=((1, 200.0),)),
+                                    dict(logit_bias=((1, 1.0), (1, 2.0))), dict(logit_bias=((-1, 1.0),))])
 def test_bad_settings_are_usage_errors(kwargs):
     with pytest.raises(UsageError):
         SamplingParams(**kwargs)
@@ -124,7 +125,8 @@ def test_top_k_top_p_match_the_reference(top_k, top_p):
 
 @pytest.mark.parametrize("pen", [dict(presence_penalty=0.7), dict(frequency_penalty=-0.4),
                                  dict(repetition_penalty=1.6), dict(repetition_penalty=0.5),
-                                 dict(presence_penalty=0.3, frequency_penalty=0.5, repetition_penalty=1.2)])
+                                 dict(presence_penalty=0.3, frequency_penalty=0.5, repetition_penalty=1.2),
+                                 dict(logit_bias=((3, 2.5), (10, -4.0)), repetition_penalty=1.4)])
 def test_penalties_match_a_token_by_token_reference_along_the_drafts(pen):
     """Row k is penalised for the output so far plus the first k drafts."""
     torch.manual_seed(0)

@@ -156,6 +156,9 @@ def test_seeded_choices_are_reproducible(target_fp32):
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {str(10 ** 9): 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"messages": []}, 400, "messages"),
@@ -366,6 +369,10 @@ def test_penalties_give_plain_decodings_penalised_output(client, target_fp32):
                                   presence_penalty=0.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
     assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
     assert want != plain(target_fp32, ids, 32)
+    the = tok(" the", add_special_tokens=False)["input_ids"][0]
+    forced = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=6, temperature=0,
+                                       logit_bias={str(the): 100})
+    assert forced.choices[0].text == " the" * 6
 
 
 def test_stop_token_ids_and_min_tokens(client, target_fp32):
