@@ -43,7 +43,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-text tokens")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOPS,
-                                      description="vLLM extension: token ids that end a choice too (kept in its tokens)")
+                                      description="vLLM extension: token ids that end a choice too (kept)")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: no stop token before this many tokens")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)

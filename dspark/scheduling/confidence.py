@@ -299,7 +299,8 @@ class _ProfiledPolicy(Policy):
         self._version = 0                             # proposals seen (what the searches read)
         self._ratio = 1.0                             # best drafting tokens/s over plain, last search
         self._no_key = self._key = None               # see _unchanged_since_no
-        self._held = None                             # prefix: (key, steps used, proposals added then, depth, mean a_1 then) of a paying search
+        # prefix: (key, steps used, proposals added then, depth, mean a_1 then) of a paying search
+        self._held = None
         self._probe_m = [0.0, 0.0]
 
     def _refresh(self, requests, block_size) -> int:
