@@ -1,7 +1,9 @@
-"""The Python API: ``dspark.generate(prompt, target=..., drafter=..., sampling=...)``."""
+"""The Python API: ``dspark.generate(prompt, target=..., drafter=..., sampling=...)`` for one prompt,
+``dspark.generate_batch(prompts, ...)`` for many at once."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -71,3 +73,38 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
                               eos_ids=tgt.eos_token_ids, stream=stream)
     text = tgt.tokenizer.decode(new, skip_special_tokens=True)
     return GenerationResult(text, new, len(ids), d.name, stats)
+
+
+def generate_batch(prompts: list[str], *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
+                   sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
+                   num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
+                   max_concurrency: int = 16, policy: str = "auto") -> list[GenerationResult]:
+    """Generate from many prompts at once, the way vLLM's offline ``LLM.generate`` does: up to
+    ``max_concurrency`` requests share every target forward (the engine's continuous batching; the
+    rest wait their turn), each output distributed exactly as the target's own sampling. With a
+    seed, prompt i samples with seed + i (as the server's choices do). ``policy``: how many drafted
+    tokens each request verifies per step: "auto" (the load-aware prefix policy where `dspark
+    profile` has measured a cost table for this target and drafter, else the whole block, as
+    `dspark serve` does) or any policy name. Results come in the order of ``prompts``."""
+    from .server import check_policy_name, serving_engine
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise UsageError("prompts must be a non-empty list of strings")
+    if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
+        raise UsageError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+    sampling = sampling or SamplingParams()
+    check_max_new_tokens(max_new_tokens)
+    if num_draft is not None and (not isinstance(num_draft, int) or num_draft < 0):
+        raise UsageError(f"num-draft must be an integer >= 0, got {num_draft!r}")
+    check_policy_name(policy)
+    tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
+    ids = [encode_prompt(tgt.tokenizer, p, chat) for p in prompts]
+    d = load_drafter(drafter, tgt, block_size=num_draft)
+    engine = serving_engine(tgt, d, policy, min(max_concurrency, len(ids)),
+                            max(map(len, ids)) + max_new_tokens + d.block_size + 1)
+    reqs = []
+    for i, p in enumerate(ids):
+        params = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+        reqs.append(engine.add_request(p, params, max_new_tokens))
+    engine.run()
+    return [GenerationResult(tgt.tokenizer.decode(r.output_ids, skip_special_tokens=True), r.output_ids,
+                             len(p), d.name, r.stats) for r, p in zip(reqs, ids)]

@@ -144,3 +144,30 @@ def test_ngram_history_of_earlier_requests():
     off = NgramDrafter(block_size=4, history_tokens=0)
     off.release(DraftContext([10, 11, 12, 13, 14], GREEDY, None, 0))
     assert propose(off, [20, 11, 12]) == []
+
+
+def test_generate_batch_equals_one_prompt_at_a_time(target_fp32):
+    """dspark.generate_batch: every prompt through one engine, 2 at a time: greedy outputs equal
+    dspark.generate's, in the order given; a seed gives prompt i the output of seed + i alone (n-gram
+    drafts are verified by the target's own draws, so each equals plain decoding with its seed);
+    bad input is a usage error."""
+    import dspark
+    from dspark.errors import UsageError
+    prompts = ["def add(a, b):", "The three primary colours are", "1, 2, 3, 4,"]
+    batch = dspark.generate_batch(prompts, target=target_fp32, drafter="ngram", max_new_tokens=20,
+                                  max_concurrency=2, policy="fixed", sampling=GREEDY)
+    for p, res in zip(prompts, batch):
+        one = dspark.generate(p, target=target_fp32, drafter="ngram", max_new_tokens=20, sampling=GREEDY)
+        assert res.token_ids == one.token_ids and res.text == one.text and res.drafter == "ngram"
+    assert sum(r.num_accepted_tokens for r in batch) > 0
+    seeded = dspark.generate_batch(prompts, target=target_fp32, drafter="ngram", max_new_tokens=12,
+                                   sampling=SamplingParams(temperature=1.0, seed=5))
+    for i, (p, res) in enumerate(zip(prompts, seeded)):
+        alone = dspark.generate(p, target=target_fp32, drafter="plain", max_new_tokens=12,
+                                sampling=SamplingParams(temperature=1.0, seed=5 + i))
+        assert res.token_ids == alone.token_ids
+    for bad, needle in [(dict(prompts=[]), "non-empty list"), (dict(prompts="hi"), "non-empty list"),
+                        (dict(prompts=["hi"], max_concurrency=0), "max_concurrency"),
+                        (dict(prompts=["hi"], policy="nope"), "policy"), (dict(prompts=[""]), "prompt is empty")]:
+        with pytest.raises(UsageError, match=needle):
+            dspark.generate_batch(target=target_fp32, **bad)
