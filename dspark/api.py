@@ -10,6 +10,7 @@ import torch
 
 from .drafters import Drafter, load_drafter
 from .errors import UsageError
+from .engine import check_policy_name, serving_engine
 from .generation import GenerationStats, generate_ids
 from .runtime.loading import Target, load_target
 from .sampling import SamplingParams
@@ -51,6 +52,14 @@ def check_max_new_tokens(n) -> int:
     return n
 
 
+def _checked(sampling: SamplingParams | None, max_new_tokens, num_draft) -> SamplingParams:
+    """The settings both entry points share, checked; the sampling settings (default: T = 1)."""
+    check_max_new_tokens(max_new_tokens)
+    if num_draft is not None and (not isinstance(num_draft, int) or num_draft < 0):
+        raise UsageError(f"num-draft must be an integer >= 0, got {num_draft!r}")
+    return sampling or SamplingParams()
+
+
 def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
              sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
              num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
@@ -59,10 +68,7 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
     as the target's own sampling (``sampling``; greedy when temperature is 0). ``batch_invariant``:
     bf16 greedy output equal to bf16 plain decoding too (runtime/invariant.py; a loaded ``target``
     keeps its own setting)."""
-    sampling = sampling or SamplingParams()
-    check_max_new_tokens(max_new_tokens)
-    if num_draft is not None and (not isinstance(num_draft, int) or num_draft < 0):
-        raise UsageError(f"num-draft must be an integer >= 0, got {num_draft!r}")
+    sampling = _checked(sampling, max_new_tokens, num_draft)
     if not isinstance(prompt, str) or not prompt.strip():
         raise UsageError("prompt is empty")
     tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device,
@@ -86,15 +92,11 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     tokens each request verifies per step: "auto" (the load-aware prefix policy where `dspark
     profile` has measured a cost table for this target and drafter, else the whole block, as
     `dspark serve` does) or any policy name. Results come in the order of ``prompts``."""
-    from .server import check_policy_name, serving_engine
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise UsageError("prompts must be a non-empty list of strings")
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
         raise UsageError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
-    sampling = sampling or SamplingParams()
-    check_max_new_tokens(max_new_tokens)
-    if num_draft is not None and (not isinstance(num_draft, int) or num_draft < 0):
-        raise UsageError(f"num-draft must be an integer >= 0, got {num_draft!r}")
+    sampling = _checked(sampling, max_new_tokens, num_draft)
     check_policy_name(policy)
     tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
     ids = [encode_prompt(tgt.tokenizer, p, chat) for p in prompts]

@@ -280,7 +280,8 @@ def cmd_serve(args) -> int:
 
     from .drafters import load_drafter
     from .runtime.loading import target_from_args
-    from .server import check_policy_name, serve, serving_engine
+    from .engine import check_policy_name, serving_engine
+    from .server import serve
 
     if args.port > 65535:
         raise UsageError(f"port must be at most 65535, got {args.port}")

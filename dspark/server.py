@@ -536,31 +536,6 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     return app
 
 
-def serving_policy(target, drafter, name: str):
-    """(a fresh policy, the cost table it prices with) for --policy ``name``: "auto" = prefix where
-    `dspark profile` has measured a cost table for this target and drafter, else the whole block."""
-    from .scheduling.policies import make_policy
-    from .scheduling.sps import CostTable, table_key_for
-    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
-    if name == "auto":
-        name = "prefix" if table is not None else "fixed"
-    return make_policy(name, drafter.block_size, cost_table=table), table
-
-
-def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int) -> Engine:
-    """The engine `dspark serve` runs (``policy`` as for serving_policy)."""
-    pol, table = serving_policy(target, drafter, policy)
-    return Engine(target.model, drafter, pol, max_requests=max_requests, max_len=max_len,
-                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table)
-
-
-def check_policy_name(policy: str) -> None:
-    """A bad --policy fails before anything is loaded."""
-    from .scheduling.policies import make_policy
-    if policy != "auto":
-        make_policy(policy)
-
-
 @contextmanager
 def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
     """Serve ``app`` from a thread of this process (port 0: a free one); yields its base URL, the

@@ -180,6 +180,17 @@ def test_min_tokens_rules_out_stop_tokens_and_keeps_the_law():
     assert chi2_pvalue(counts, law) > 1e-3
     assert sum(r.finish_reason == "stop" for r in reqs) > draws / 4     # the stop token still ends them
     assert sum(r.stats.num_accepted_tokens for r in reqs) > 0
+    big, big_draft = _tiny(0, vocab=11, scale=2.0), _tiny(1, vocab=11, scale=2.0)    # greedy: plain's
+    for p in ([1, 2, 3], [4, 4], [7]):
+        stops = {int(generate_ids(big, p, GREEDY, 3, None)[0][1])}   # a token plain greedy emits early
+        plain_e = Engine(big, None, max_requests=1, max_len=64)
+        spec_e = Engine(big, DraftLMDrafter(big_draft, block_size=3), max_requests=1, max_len=64)
+        a = plain_e.add_request(p, GREEDY, 16, stop_ids=stops, min_tokens=8)
+        b = spec_e.add_request(p, GREEDY, 16, stop_ids=stops, min_tokens=8)
+        plain_e.run()
+        spec_e.run()
+        assert a.output_ids == b.output_ids and len(a.output_ids) >= 8
+        assert not stops & set(a.output_ids[:8])
     with pytest.raises(UsageError, match="min_tokens"):
         engine.add_request(prompt, GREEDY, 4, min_tokens=-1)
     with pytest.raises(UsageError, match="stop token ids"):

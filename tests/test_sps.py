@@ -149,7 +149,7 @@ def test_prices_never_fall_with_more_rows_and_keep_the_measurements():
 def test_nearest_context_column_and_one_steps_pricer():
     """The context column is the nearest measured context (the lower one on a tie), and the pricer
     of one step's drafting (Algorithm 1's) prices every extra exactly as CostModel.seconds, also
-    after the online corrections moved pace and rho."""
+    after the online corrections moved pace and rho, and an array of extras alike."""
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(2)
     contexts = [64, 256, 1024]
@@ -172,3 +172,5 @@ def test_nearest_context_column_and_one_steps_pricer():
         price = model.pricer(R, ctx, drafting, depth, rows)
         for extra in [0, 1, 2.5, 7, 30, 200]:
             assert price(extra) == model.seconds(R, extra, ctx, drafting, depth, rows)
+        many = np.array([0, 1, 2.5, 7, 30, 200])         # an array of extras, priced in one call
+        assert price(many) == pytest.approx([model.seconds(R, e, ctx, drafting, depth, rows) for e in many], rel=1e-12)

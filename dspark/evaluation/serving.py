@@ -117,7 +117,8 @@ def local_run(target, drafter, policy: str, max_requests: int, max_len: int, cli
     """`dspark serve` in this process on a free port, a fresh engine (``policy`` by name), as
     `dspark serve` runs it (the engine on this thread, HTTP on another); ``client(base_url)`` runs
     on a third thread."""
-    from ..server import create_app, in_thread, serving_engine
+    from ..engine import serving_engine
+    from ..server import create_app, in_thread
     drafter.reset()
     engine = serving_engine(target, drafter, policy, max_requests, max_len)
     app = create_app(target, engine, engine_thread=False)
@@ -171,7 +172,7 @@ def _local(args, messages, texts) -> list[dict]:
     from ..drafters import load_drafter
     from ..runtime.loading import target_from_args
     from ..sampling import SamplingParams
-    from ..server import check_policy_name, serving_policy
+    from ..engine import check_policy_name, serving_policy
     from .concurrency import run_closed_loop
     check_policy_name(args.policy)
     target = target_from_args(args)

@@ -212,15 +212,13 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, 
 class _Recent:
     """The survival rows a_1..a_l of the last ``size`` proposals, as a ring of plain lists, and, kept
     as rows come and go, each position's total survival and count. Rows are added every step (each
-    proposal) and read by a depth search only now and then (``pools`` builds its arrays then); both
-    run right after a target forward has evicted the CPU caches. With 128 MB streamed through the
-    caches before each call (AMD EPYC VM), an ``add`` took 25 - 30 us as list operations against 50
-    - 60 us as array operations on a NaN-padded matrix, and ``pools`` 160 us against 115 us."""
+    proposal) and read by a depth search only now and then (``pools`` builds its arrays then): both
+    run right after a target forward has evicted the CPU caches, where a few list operations cost
+    less than the array operations on a NaN-padded matrix they replaced, and the adds are many."""
 
     def __init__(self, size: int, width: int = 8):
         self.size = size
         self._rows: list = [None] * size        # the ring; None where no row came yet
-        self.n = 0          # rows held
         self.next = 0       # where the next row goes
         self.added = 0      # rows added so far
         self._sum = [0.0] * width               # per position: total survival of the held rows
@@ -243,7 +241,6 @@ class _Recent:
             c[k] += 1
         self._rows[self.next] = row
         self.next = (self.next + 1) % self.size
-        self.n = min(self.n + 1, self.size)
         self.added += 1
         if self.added % self.size == 0:       # re-add from scratch now and then: no rounding drift
             self._sum = [sum(r[k] for r in self._rows if r is not None and len(r) > k) for k in range(len(s))]
@@ -520,16 +517,13 @@ class PrefixPolicy(_ProfiledPolicy):
 
         price = self.cost.pricer(R, ctx, drafting, depth, self._rows)
 
-        def sps(B):
+        def sps(B):             # B: a number, or (sps_many) an array of them
             return 1.0 / price(B - R)
-
-        def sps_many(Bs):
-            return 1.0 / self.cost.seconds_of_extras(R, Bs - R, ctx, drafting, depth, self._rows)
         if self._probed is None:
-            lengths = prefix_schedule(surv, sps, sps_many=sps_many)
+            lengths = prefix_schedule(surv, sps, sps_many=sps)
         else:       # the probe is verified whole; free proposals beside it as on any step
             i = self._probed
-            lengths = (prefix_schedule([a if j != i else [] for j, a in enumerate(surv)], sps, sps_many=sps_many)
+            lengths = (prefix_schedule([a if j != i else [] for j, a in enumerate(surv)], sps, sps_many=sps)
                        if any(p.free and len(p) for p in proposals) else [0] * R)
             lengths[i] = len(proposals[i])
         for i, (r, p) in enumerate(zip(requests, proposals)):

@@ -281,30 +281,22 @@ class CostModel:
 
     def pricer(self, requests: int, context: int, drafting: int, depth: float, rows: int = 0):
         """``seconds(requests, extra, context, drafting, depth, rows)`` as a function of ``extra``
-        alone, with the parts that do not depend on it priced once (Algorithm 1 prices one step's
-        candidate prefixes one after another)."""
+        alone (a number, or an array of them priced in one vectorised call), with the parts that do
+        not depend on it priced once: Algorithm 1 prices one step's candidate prefixes."""
         t = self.table
         if t is None:
-            return lambda extra: 1.0
+            return lambda extra: np.ones_like(extra, dtype=float) if isinstance(extra, np.ndarray) else 1.0
         base = t.target_seconds(requests, 0, context)
         call = self._call(drafting, depth, context, rows)
         pace, scale, n = self.pace or 1.0, self.extra_scale, max(1, requests)
 
-        def seconds(extra: float) -> float:
-            return pace * (base + (t.target_seconds(requests, max(0.0, extra / n), context) - base + call) * scale)
+        def seconds(extra):
+            if isinstance(extra, np.ndarray):
+                target = t.target_seconds_many(requests, np.maximum(extra, 0) / n, context)
+            else:
+                target = t.target_seconds(requests, max(0.0, extra / n), context)
+            return pace * (base + (target - base + call) * scale)
         return seconds
-
-    def seconds_of_extras(self, requests: int, extra: np.ndarray, context: int, drafting: int, depth: float,
-                          rows: int = 0) -> np.ndarray:
-        """``seconds`` at many ``extra`` of one step's drafting (Algorithm 1's candidate prefixes)."""
-        extra = np.asarray(extra, dtype=float)
-        t = self.table
-        if t is None:
-            return np.ones_like(extra)
-        base = t.target_seconds(requests, 0, context)
-        more = (t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base
-                + self._call(drafting, depth, context, rows))
-        return (self.pace or 1.0) * (base + more * self.extra_scale)
 
     def seconds_many(self, requests: int, extra: np.ndarray, context: int, depths, rows) -> np.ndarray:
         """``seconds`` of steps in which all R requests draft d tokens and verify ``extra`` of them in
