@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-len", type=_positive_int, default=2048,
                     help="tokens per request, prompt and output together (the KV cache holds "
                          "max-requests x max-len tokens)")
+    sv.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="a prompt that starts like what a free cache slot holds (a shared system prompt, a "
+                         "conversation's earlier turns) prefills only the rest (default: on)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target's)")
     sv.add_argument("--api-key", default=None,
                     help="require `Authorization: Bearer KEY` on /v1 routes (default: $DSPARK_API_KEY, else none)")
@@ -172,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--seed", type=_non_negative_int, default=0)
     sb.add_argument("--drafter", default="auto", help="our server's drafter (as for `dspark serve`)")
     sb.add_argument("--policy", default="auto", help="our server's policy (as for `dspark serve`)")
+    sb.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="our server's (and engine's) prefix caching (as for `dspark serve`)")
     sb.add_argument("--repeats", type=_positive_int, default=1,
                     help="runs per concurrency (with --against-engine: engine runs, each between two server runs)")
     sb.add_argument("--against-engine", action="store_true",
@@ -289,11 +294,12 @@ def cmd_serve(args) -> int:
     _setup_torch(args)
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
-    engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len)
+    engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len, args.prefix_caching)
     serve(target, engine, args.host, args.port, args.served_model_name,
           args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level,
           banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {engine.policy.name}, "
-                 f"{args.max_requests} requests x {args.max_len} tokens")
+                 f"{args.max_requests} requests x {args.max_len} tokens, "
+                 f"prefix caching {'on' if args.prefix_caching else 'off'}")
     return 0
 
 

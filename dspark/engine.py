@@ -12,7 +12,9 @@ Requests join and leave at any step (continuous batching). Each step:
    tokens, and its cache rolls back over the rejected drafts.
 
 A request holds one cache slot from admission to its end; a finished or cancelled request frees
-it at once, and requests wait in a queue while every slot is taken.
+it at once, and requests wait in a queue while every slot is taken. With ``prefix_caching`` a freed
+slot's entries stay valid until the slot is taken again, and a request whose prompt starts with
+what a free slot holds takes that slot and prefills only the rest (runtime/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .drafters.base import DraftContext, Drafter, PlainDrafter, Proposal
 from .errors import UsageError
 from .metrics import GenerationStats
 from .runtime.model import Decoder
+from .runtime.prefix_cache import PrefixCache
 from .sampling import SamplingParams, penalised_logits, sample_from_logits, token_logprobs
 from .scheduling.policies import FixedPolicy, Policy
 from .verify import verify
@@ -61,6 +64,7 @@ class Request:
     # ``logprobs`` most likely), from the target's logits (sampling.token_logprobs)
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs_out: list = field(default_factory=list)   # with ``prompt_logprobs``: prompt tokens 2..
+    cached_tokens: int = 0                # prompt tokens found in the prefix cache (not prefilled)
 
     @property
     def done(self) -> bool:
@@ -70,7 +74,8 @@ class Request:
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
-                 prefill_chunk: int = 2048, eos_ids=(), padded: bool = False, cost_table=None):
+                 prefill_chunk: int = 2048, eos_ids=(), padded: bool = False, cost_table=None,
+                 prefix_caching: bool = False, prefix_min_match: int = 16):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
         self.target = target
@@ -84,6 +89,8 @@ class Engine:
         self.padded = padded
         self.cost_table = cost_table  # scheduling.sps.CostTable measured by `dspark profile`, or None
         self.cache = target.new_cache(max_requests, max_len)
+        # prefix_min_match: the fewest prompt tokens a slot must already hold to be reused for them
+        self.prefix = PrefixCache(max_requests, max_len, min_match=prefix_min_match) if prefix_caching else None
         self.drafter.prepare(max_requests, max_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -143,7 +150,15 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and self.cache.num_free:
             req = self.waiting.popleft()
-            req.slot = self.cache.allocate()
+            if self.prefix is None:
+                req.slot = self.cache.allocate()
+            else:
+                slot, n = self.prefix.choose(self.cache.free_slots, req.prompt_ids,
+                                             reusable=req.prompt_logprobs is None)
+                req.slot = self.cache.allocate(slot, length=n)
+                req.prefilled = req.cached_tokens = n
+                if self.drafter.feature_layers:
+                    req.prompt_features = self.prefix.prefix_features(slot, n)
             req.status = "running"
             self.running.append(req)
 
@@ -151,6 +166,9 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         if req.slot is not None:
+            if self.prefix is not None:   # entries past the output (drafts after a stop) are not kept
+                seq = req.prompt_ids + req.output_ids
+                self.prefix.keep(req.slot, seq[:min(self.cache.lengths[req.slot], len(seq))])
             self.cache.free(req.slot)
             req.slot = None
         if req.ctx is not None:
@@ -223,6 +241,8 @@ class Engine:
             feats = out.features[0] if len(wanted) == 1 else torch.cat(out.features, -1)
             for r, start, n, _, _ in chunks:
                 r.prompt_features.append(feats[start:start + n])
+                if self.prefix is not None:
+                    self.prefix.store_features(r.slot, r.prefilled - n, feats[start:start + n])
         ended = []
         at = 0
         for r, p, sent, start in zip(decode, proposals, seg_len, seg_start):
@@ -233,6 +253,8 @@ class Engine:
             self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
             if feats is not None:
                 r.ctx.features.append(feats[start:start + n + 1])
+                if self.prefix is not None:
+                    self.prefix.store_features(r.slot, self.cache.lengths[r.slot] - n - 1, feats[start:start + n + 1])
             s = r.stats
             s.num_rounds += 1
             if l:
@@ -341,12 +363,14 @@ def serving_policy(target, drafter, name: str):
     return make_policy(name, drafter.block_size, cost_table=table), table
 
 
-def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int) -> Engine:
+def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int,
+                   prefix_caching: bool = True) -> Engine:
     """The engine `dspark serve`, `dspark bench serving` and `dspark.generate_batch` run for a loaded
-    target and drafter (``policy`` as for serving_policy)."""
+    target and drafter (``policy`` as for serving_policy; prefix caching on, as in vLLM)."""
     pol, table = serving_policy(target, drafter, policy)
     return Engine(target.model, drafter, pol, max_requests=max_requests, max_len=max_len,
-                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table)
+                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table,
+                  prefix_caching=prefix_caching)
 
 
 def check_policy_name(policy: str) -> None:

@@ -66,6 +66,11 @@ class Metrics:
         self.generation_tokens = Counter("dspark:generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("dspark:request_success", "requests ended, by reason",
                                 ["finished_reason"], registry=r)
+        # vLLM's names: prompt tokens of the requests that could take a cached prefix, and of those found cached
+        self.prefix_queries = Counter("dspark:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("dspark:prefix_cache_hits", "prompt tokens found in the prefix cache", registry=r)
+        self._prefix_seen = (0, 0)
         self.steps = Counter("dspark:engine_steps", "engine steps (one target forward each)", registry=r)
         self.drafts = Counter("dspark:spec_decode_num_drafts", "rounds that verified draft tokens", registry=r)
         self.draft_tokens = Counter("dspark:spec_decode_num_draft_tokens", "draft tokens verified", registry=r)
@@ -76,6 +81,12 @@ class Metrics:
                               registry=r, buckets=(0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.latency = Histogram("dspark:e2e_request_latency_seconds", "from admission to the end",
                                  registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+
+    def prefix_counted(self, prefix) -> None:
+        """Bring the prefix-cache counters up to the engine's totals."""
+        self.prefix_queries.inc(prefix.queries - self._prefix_seen[0])
+        self.prefix_hits.inc(prefix.hits - self._prefix_seen[1])
+        self._prefix_seen = (prefix.queries, prefix.hits)
 
     def request_ended(self, req) -> None:
         s = req.stats
@@ -182,6 +193,8 @@ class EngineWorker:
                     job.sink(("error", f"engine failure: {type(e).__name__}: {e}"))
                 ended = []
             self.metrics.steps.inc()
+            if eng.prefix is not None:
+                self.metrics.prefix_counted(eng.prefix)
             for r in ended:
                 self.metrics.request_ended(r)
                 self._end(self._jobs[r.id], r.finish_reason)
@@ -398,9 +411,15 @@ class Server:
 
     @staticmethod
     def usage(choices: list[_Choice]) -> dict:
-        p = sum({id(ch.job.prompt_ids): ch.prompt_tokens for ch in choices}.values())   # a prompt once, whatever n
-        c = sum(ch.tokens for ch in choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        prompts, cached = {}, {}     # a prompt once, whatever n
+        for ch in choices:
+            key = id(ch.job.prompt_ids)
+            prompts[key] = ch.prompt_tokens
+            got = ch.job.request.cached_tokens if ch.job.request is not None else 0
+            cached[key] = max(cached.get(key, 0), got)
+        p, c = sum(prompts.values()), sum(ch.tokens for ch in choices)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def _sse(obj) -> str:

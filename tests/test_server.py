@@ -27,9 +27,9 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Here is a list of f
 
 
 @contextmanager
-def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None):
+def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None, prefix_caching=False):
     engine = Engine(target.model, drafter, max_requests=max_requests, max_len=max_len,
-                    block_size=drafter.block_size, eos_ids=target.eos_token_ids)
+                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching)
     app = create_app(target, engine, api_key=api_key)
     with in_thread(app) as (url, _, _):
         yield url, app.state.server
@@ -225,6 +225,28 @@ def test_models_and_metrics(server, client):
     assert values["dspark:spec_decode_num_draft_tokens_total"] > 0
     assert values["dspark:generation_tokens_total"] >= 16
     assert values["dspark:num_requests_running"] == 0
+
+
+def test_prefix_caching_reuses_a_conversation_and_counts_it(target_fp32):
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    with serving(target_fp32, load_drafter("ngram", target_fp32), prefix_caching=True) as (url, _):
+        c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        first = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=12, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        again = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=12, temperature=0)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+        # the next turn starts with the first's prompt and answer
+        turn = msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                       {"role": "user", "content": "And three more?"}]
+        nxt = c.chat.completions.create(model="smollm2-135m-instruct", messages=turn, max_tokens=12, temperature=0)
+        assert nxt.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    hits = again.usage.prompt_tokens_details.cached_tokens + nxt.usage.prompt_tokens_details.cached_tokens
+    assert values["dspark:prefix_cache_hits_total"] == hits
+    assert values["dspark:prefix_cache_queries_total"] == (2 * first.usage.prompt_tokens + nxt.usage.prompt_tokens)
 
 
 def test_serve_flags_fail_before_loading_anything():

@@ -39,7 +39,7 @@ def _policy(name: str, block: int, cost_table=None):
 
 def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
                 max_new_tokens: int, params: SamplingParams, block_size: int,
-                padded: bool = False, label: str | None = None, cost_table=None):
+                padded: bool = False, label: str | None = None, cost_table=None, prefix_caching: bool = False):
     """One policy's closed loop as a generator: it yields after every engine step and returns its
     result. Its clock counts only its own work (admissions, steps, collecting finished requests),
     so that loops advanced in turn (`interleave`) each see the time they used; a request's latency
@@ -47,7 +47,7 @@ def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: 
     max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 2
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
                     block_size=block_size, eos_ids=target.eos_token_ids, padded=padded,
-                    cost_table=cost_table)
+                    cost_table=cost_table, prefix_caching=prefix_caching)
     drafter.reset()
     queue = list(prompts)
     live, latency, clock = [], [], 0.0   # live: (request, clock at admission)

@@ -113,14 +113,15 @@ def _closed_loop(base_url: str, model: str, api_key: str | None, messages: list,
             "latency_mean_s": statistics.mean(r[2] for r in rows)}
 
 
-def local_run(target, drafter, policy: str, max_requests: int, max_len: int, client) -> dict:
+def local_run(target, drafter, policy: str, max_requests: int, max_len: int, client,
+              prefix_caching: bool = True) -> dict:
     """`dspark serve` in this process on a free port, a fresh engine (``policy`` by name), as
     `dspark serve` runs it (the engine on this thread, HTTP on another); ``client(base_url)`` runs
     on a third thread."""
     from ..engine import serving_engine
     from ..server import create_app, in_thread
     drafter.reset()
-    engine = serving_engine(target, drafter, policy, max_requests, max_len)
+    engine = serving_engine(target, drafter, policy, max_requests, max_len, prefix_caching)
     app = create_app(target, engine, engine_thread=False)
     worker = app.state.server.worker
     out: dict = {}
@@ -185,7 +186,7 @@ def _local(args, messages, texts) -> list[dict]:
     # touches of the caches) that would fall on whichever system ran first
     local_run(target, drafter, pname, 2, max_len,
               lambda url: _closed_loop(url, target.name, None, messages[:4], 2, min(16, args.max_new_tokens),
-                                       args.temperature, args.seed))
+                                       args.temperature, args.seed), args.prefix_caching)
     for c in args.concurrency:
         runs = (["server", "engine"] * args.repeats + ["server"]) if args.against_engine else ["server"] * args.repeats
         got = []
@@ -193,13 +194,13 @@ def _local(args, messages, texts) -> list[dict]:
             if system == "server":
                 r = local_run(target, drafter, pname, c, max_len,
                               lambda url: _closed_loop(url, target.name, None, messages, c, args.max_new_tokens,
-                                                       args.temperature, args.seed))
+                                                       args.temperature, args.seed), args.prefix_caching)
             else:
                 # the engine's own loop seeds every request alike; the server's requests each get seed + i
                 policy, table = serving_policy(target, drafter, pname)
                 params = SamplingParams(temperature=args.temperature, seed=args.seed)
                 e = run_closed_loop(target, drafter, policy, ids, c, args.max_new_tokens, params, drafter.block_size,
-                                    cost_table=table)
+                                    cost_table=table, prefix_caching=args.prefix_caching)
                 r = {k: e[k] for k in ("concurrency", "requests", "tokens", "wall_seconds",
                                        "total_tokens_per_second", "per_user_tokens_per_second")}
             r = {"system": system, "drafter": drafter.name, "policy": pname, **r}

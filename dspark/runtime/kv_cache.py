@@ -39,13 +39,24 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        """The lowest free slot: the requests of a step stay in a compact range of slots, which
-        their batched attention reads as one view (runtime/attention.py)."""
+    @property
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, slot: int | None = None, length: int = 0) -> int:
+        """The lowest free slot (or this free ``slot``): the requests of a step stay in a compact
+        range of slots, which their batched attention reads as one view (runtime/attention.py).
+        ``length``: how many of the entries the slot holds are kept (a reused prefix), else none."""
         if not self._free:
             raise CacheFullError("KV cache has no free slot")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
+        if slot is None:
+            slot = self._free[-1]
+        elif slot not in self._free:
+            raise ValueError(f"slot {slot} is not free")
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot keep {length} entries of a slot of {self.max_len}")
+        self._free.remove(slot)
+        self.lengths[slot] = length
         return slot
 
     def free(self, slot: int) -> None:

@@ -1,0 +1,115 @@
+"""Prefix caching: which slot a new request takes and how much of its prompt is already there; a
+request that reuses a prefix emits exactly what it emits without the cache (greedy and seeded
+sampling, through a drafter that conditions on target features, so that the features kept for the
+prefix are checked as well as the keys and values)."""
+
+import pytest
+import torch
+
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.engine import Engine
+from dspark.runtime.prefix_cache import PrefixCache
+from dspark.sampling import SamplingParams
+from dspark.scheduling.policies import FixedPolicy
+
+from _tiny import tiny_drafter_model, tiny_target
+
+
+def test_choose_takes_the_longest_match_over_the_minimum_else_the_lowest_slot():
+    pc = PrefixCache(4, 64, min_match=3)
+    pc.keep(1, [1, 2, 3, 4, 5])
+    pc.keep(2, [1, 2, 3, 9])
+    pc.keep(3, [1, 2])
+    assert pc.choose([0, 1, 2, 3], [1, 2, 3, 4, 7]) == (1, 4)
+    assert len(pc.held[1]) == 0                          # taken: its entries are the new request's now
+    assert pc.choose([0, 2, 3], [1, 2, 3, 9]) == (2, 3)   # the last prompt token always runs
+    assert pc.choose([0, 3], [1, 2, 8]) == (0, 0)         # 2 tokens: under the minimum
+    pc.keep(3, [5, 5, 5, 5])
+    assert pc.choose([0, 3], [5, 5, 5, 5, 1], reusable=False) == (0, 0)   # e.g. prompt logprobs asked
+    assert pc.choose([3], [5, 5, 5, 5, 1]) == (3, 4)
+    assert (pc.queries, pc.hits) == (5 + 4 + 3 + 5, 4 + 3 + 4)
+
+
+def _engine(target, drafter, caching, **kw):
+    return Engine(target, drafter, FixedPolicy(3), max_requests=2, max_len=96, block_size=3,
+                  prefix_caching=caching, prefix_min_match=4, **kw)
+
+
+def _drafter(target):
+    return DSparkDrafter(tiny_drafter_model(target, scale=2.0), target)
+
+
+def _conversation(engine, params):
+    """Three requests one after another: a shared preamble with two questions, then a follow-up
+    turn that repeats the second request's prompt and answer."""
+    preamble = [1, 2, 3, 4, 0, 2, 1, 3, 3, 1, 4, 2]
+    out = []
+    for prompt in (preamble + [1, 1], preamble + [2, 0, 4]):
+        out.append(engine.add_request(prompt, params, 10))
+        engine.run()
+    follow = out[-1].prompt_ids + out[-1].output_ids + [3, 2]
+    out.append(engine.add_request(follow, params, 10))
+    engine.run()
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_reused_prefix_gives_the_same_output_and_drafts(params):
+    target = tiny_target(scale=3.0)
+    base = _conversation(_engine(target, _drafter(target), False), params)
+    got = _conversation(_engine(target, _drafter(target), True), params)
+    for a, b in zip(base, got):
+        assert b.output_ids == a.output_ids
+        # the drafter proposed the same tokens: it saw the same target features for the reused prefix
+        assert (b.stats.num_draft_tokens, b.stats.num_accepted_tokens) == \
+               (a.stats.num_draft_tokens, a.stats.num_accepted_tokens)
+    assert [r.cached_tokens for r in base] == [0, 0, 0]
+    assert got[0].cached_tokens == 0 and got[1].cached_tokens == 12
+    # the slot held the second request's prompt and its output but the last token (never run)
+    assert got[2].cached_tokens == len(got[1].prompt_ids) + len(got[1].output_ids) - 1
+    assert sum(r.stats.num_accepted_tokens for r in got) > 0
+
+
+def test_a_request_cancelled_mid_prefill_leaves_what_it_prefilled():
+    target = tiny_target(scale=3.0)
+    prompt = [1, 2, 3, 4, 0, 2, 1, 3, 3, 1, 4, 2, 0, 0, 1]
+    greedy = SamplingParams(temperature=0)
+    ref = Engine(target, None, max_requests=1, max_len=96)
+    want = ref.add_request(prompt, greedy, 8)
+    ref.run()
+    e = _engine(target, _drafter(target), True, prefill_chunk=6)
+    first = e.add_request(prompt, greedy, 8)
+    e.step()                                     # 6 of 15 prompt tokens in the cache
+    e.cancel(first)
+    again = e.add_request(prompt, greedy, 8)
+    e.run()
+    assert again.cached_tokens == 6 and again.output_ids == want.output_ids
+
+
+def test_prompt_logprobs_take_no_prefix_and_score_every_prompt_token():
+    target = tiny_target(scale=3.0)
+    prompt = [1, 2, 3, 4, 0, 2, 1, 3]
+    e = _engine(target, None, True)
+    e.add_request(prompt, SamplingParams(temperature=0), 4)
+    e.run()
+    r = e.add_request(prompt, SamplingParams(temperature=0), 4, prompt_logprobs=1)
+    e.run()
+    assert r.cached_tokens == 0 and len(r.prompt_logprobs_out) == len(prompt) - 1
+    hit = e.add_request(prompt, SamplingParams(temperature=0), 4)
+    e.run()
+    assert hit.cached_tokens == len(prompt) - 1 and hit.output_ids == r.output_ids
+
+
+def test_kept_features_are_the_positions_own():
+    target = tiny_target(scale=3.0)
+    drafter = _drafter(target)
+    e = _engine(target, drafter, True)
+    r = e.add_request([1, 2, 3, 4, 0, 2], SamplingParams(temperature=1.0, seed=0), 12)
+    e.run()                                      # in slot 0, the lowest
+    seq = r.prompt_ids + r.output_ids
+    n = len(e.prefix.held[0])
+    assert n == len(seq) - 1 and e.prefix.held[0].tolist() == seq[:n]
+    cache = target.new_cache(1, 96)
+    out = target(torch.tensor(seq[:n]), [(cache.allocate(), n)], cache, feature_layers=drafter.feature_layers)
+    assert torch.allclose(e.prefix.features[0, :n].float(), torch.cat(out.features, -1).float(), atol=1e-4)
