@@ -105,10 +105,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="runs of each setting, alternating")
     ap.add_argument("--drafter", default="auto")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="fp32: the outputs with and without the cache are identical (bf16 rounds a prefix "
+                         "computed alone and one computed with the rest of its prompt differently)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_target("smollm2-135m-instruct")
+    target = load_target("smollm2-135m-instruct", dtype=args.dtype)
     drafter = load_drafter(args.drafter, target)
     warm = conversations("mt-bench", 2)
     run(target, drafter, warm, 2, 8, True)           # untimed: first-call costs fall on neither
