@@ -84,14 +84,17 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
 def generate_batch(prompts: list[str], *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
                    sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
                    num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
-                   max_concurrency: int = 16, policy: str = "auto") -> list[GenerationResult]:
+                   max_concurrency: int = 16, policy: str = "auto",
+                   prefix_caching: bool = True) -> list[GenerationResult]:
     """Generate from many prompts at once, the way vLLM's offline ``LLM.generate`` does: up to
     ``max_concurrency`` requests share every target forward (the engine's continuous batching; the
     rest wait their turn), each output distributed exactly as the target's own sampling. With a
     seed, prompt i samples with seed + i (as the server's choices do). ``policy``: how many drafted
     tokens each request verifies per step: "auto" (the load-aware prefix policy where `dspark
     profile` has measured a cost table for this target and drafter, else the whole block, as
-    `dspark serve` does) or any policy name. Results come in the order of ``prompts``."""
+    `dspark serve` does) or any policy name. ``prefix_caching``: a prompt admitted after another
+    finished reuses the cached entries of their common start (as `dspark serve`; the output's law is
+    the same). Results come in the order of ``prompts``."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise UsageError("prompts must be a non-empty list of strings")
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
@@ -102,7 +105,7 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     ids = [encode_prompt(tgt.tokenizer, p, chat) for p in prompts]
     d = load_drafter(drafter, tgt, block_size=num_draft)
     engine = serving_engine(tgt, d, policy, min(max_concurrency, len(ids)),
-                            max(map(len, ids)) + max_new_tokens + d.block_size + 1)
+                            max(map(len, ids)) + max_new_tokens + d.block_size + 1, prefix_caching)
     reqs = []
     for i, p in enumerate(ids):
         params = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)

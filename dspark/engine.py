@@ -64,7 +64,6 @@ class Request:
     # ``logprobs`` most likely), from the target's logits (sampling.token_logprobs)
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs_out: list = field(default_factory=list)   # with ``prompt_logprobs``: prompt tokens 2..
-    cached_tokens: int = 0                # prompt tokens found in the prefix cache (not prefilled)
 
     @property
     def done(self) -> bool:
@@ -156,7 +155,7 @@ class Engine:
                 slot, n = self.prefix.choose(self.cache.free_slots, req.prompt_ids,
                                              reusable=req.prompt_logprobs is None)
                 req.slot = self.cache.allocate(slot, length=n)
-                req.prefilled = req.cached_tokens = n
+                req.prefilled = req.stats.num_cached_tokens = n
                 if self.drafter.feature_layers:
                     req.prompt_features = self.prefix.prefix_features(slot, n)
             req.status = "running"

@@ -15,6 +15,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list = field(default_factory=list)
+    num_cached_tokens: int = 0       # prompt tokens found in the prefix cache, not run (vLLM's RequestOutput field)
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     finish_reason: str = "length"

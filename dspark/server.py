@@ -415,7 +415,7 @@ class Server:
         for ch in choices:
             key = id(ch.job.prompt_ids)
             prompts[key] = ch.prompt_tokens
-            got = ch.job.request.cached_tokens if ch.job.request is not None else 0
+            got = ch.job.request.stats.num_cached_tokens if ch.job.request is not None else 0
             cached[key] = max(cached.get(key, 0), got)
         p, c = sum(prompts.values()), sum(ch.tokens for ch in choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,

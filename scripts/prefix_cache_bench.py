@@ -92,7 +92,7 @@ def run(target, drafter, convs, concurrency: int, max_new: int, caching: bool) -
     return {"caching": caching, "concurrency": concurrency, "requests": len(done), "wall_seconds": wall,
             "tokens_per_second": sum(len(r.output_ids) for r in done) / wall,
             "ttft_p50_ms": 1e3 * statistics.median(r.stats.prefill_seconds for r in done),
-            "prompt_tokens": prompt, "prompt_tokens_run": prompt - sum(r.cached_tokens for r in done),
+            "prompt_tokens": prompt, "prompt_tokens_run": prompt - sum(r.stats.num_cached_tokens for r in done),
             "outputs": outputs}
 
 

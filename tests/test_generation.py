@@ -160,6 +160,13 @@ def test_generate_batch_equals_one_prompt_at_a_time(target_fp32):
         one = dspark.generate(p, target=target_fp32, drafter="ngram", max_new_tokens=20, sampling=GREEDY)
         assert res.token_ids == one.token_ids and res.text == one.text and res.drafter == "ngram"
     assert sum(r.num_accepted_tokens for r in batch) > 0
+    # chat prompts one at a time: each after the first reuses the template's shared start (prefix caching)
+    chats = dspark.generate_batch(prompts[:2], target=target_fp32, drafter="ngram", max_new_tokens=12, chat=True,
+                                  max_concurrency=1, policy="fixed", sampling=GREEDY)
+    for p, res in zip(prompts, chats):
+        one = dspark.generate(p, target=target_fp32, drafter="ngram", max_new_tokens=12, chat=True, sampling=GREEDY)
+        assert res.token_ids == one.token_ids
+    assert [r.num_cached_tokens for r in chats] == [0, 24]
     seeded = dspark.generate_batch(prompts, target=target_fp32, drafter="ngram", max_new_tokens=12,
                                    sampling=SamplingParams(temperature=1.0, seed=5))
     for i, (p, res) in enumerate(zip(prompts, seeded)):

@@ -64,10 +64,10 @@ def test_reused_prefix_gives_the_same_output_and_drafts(params):
         # the drafter proposed the same tokens: it saw the same target features for the reused prefix
         assert (b.stats.num_draft_tokens, b.stats.num_accepted_tokens) == \
                (a.stats.num_draft_tokens, a.stats.num_accepted_tokens)
-    assert [r.cached_tokens for r in base] == [0, 0, 0]
-    assert got[0].cached_tokens == 0 and got[1].cached_tokens == 12
+    assert [r.stats.num_cached_tokens for r in base] == [0, 0, 0]
+    assert got[0].stats.num_cached_tokens == 0 and got[1].stats.num_cached_tokens == 12
     # the slot held the second request's prompt and its output but the last token (never run)
-    assert got[2].cached_tokens == len(got[1].prompt_ids) + len(got[1].output_ids) - 1
+    assert got[2].stats.num_cached_tokens == len(got[1].prompt_ids) + len(got[1].output_ids) - 1
     assert sum(r.stats.num_accepted_tokens for r in got) > 0
 
 
@@ -84,7 +84,7 @@ def test_a_request_cancelled_mid_prefill_leaves_what_it_prefilled():
     e.cancel(first)
     again = e.add_request(prompt, greedy, 8)
     e.run()
-    assert again.cached_tokens == 6 and again.output_ids == want.output_ids
+    assert again.stats.num_cached_tokens == 6 and again.output_ids == want.output_ids
 
 
 def test_prompt_logprobs_take_no_prefix_and_score_every_prompt_token():
@@ -95,10 +95,10 @@ def test_prompt_logprobs_take_no_prefix_and_score_every_prompt_token():
     e.run()
     r = e.add_request(prompt, SamplingParams(temperature=0), 4, prompt_logprobs=1)
     e.run()
-    assert r.cached_tokens == 0 and len(r.prompt_logprobs_out) == len(prompt) - 1
+    assert r.stats.num_cached_tokens == 0 and len(r.prompt_logprobs_out) == len(prompt) - 1
     hit = e.add_request(prompt, SamplingParams(temperature=0), 4)
     e.run()
-    assert hit.cached_tokens == len(prompt) - 1 and hit.output_ids == r.output_ids
+    assert hit.stats.num_cached_tokens == len(prompt) - 1 and hit.output_ids == r.output_ids
 
 
 def test_kept_features_are_the_positions_own():
