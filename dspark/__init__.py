@@ -4,5 +4,6 @@ __version__ = "0.1.0"
 
 from .api import GenerationResult, generate, generate_batch  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
+from .structured import GrammarSpec  # noqa: E402
 
-__all__ = ["generate", "generate_batch", "GenerationResult", "SamplingParams", "__version__"]
+__all__ = ["generate", "generate_batch", "GenerationResult", "GrammarSpec", "SamplingParams", "__version__"]

@@ -14,6 +14,7 @@ from .engine import check_policy_name, serving_engine
 from .generation import GenerationStats, generate_ids
 from .runtime.loading import Target, load_target
 from .sampling import SamplingParams
+from .structured import GrammarSpec, grammar_state
 
 
 @dataclass
@@ -46,6 +47,12 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+def _spec(structured) -> GrammarSpec:
+    if not isinstance(structured, GrammarSpec):
+        raise UsageError(f"structured must be a dspark.GrammarSpec, got {type(structured).__name__}")
+    return structured
+
+
 def check_max_new_tokens(n) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise UsageError(f"max-new-tokens must be a positive integer, got {n!r}")
@@ -63,9 +70,10 @@ def _checked(sampling: SamplingParams | None, max_new_tokens, num_draft) -> Samp
 def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
              sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
              num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
-             stream=None, batch_invariant: bool = False) -> GenerationResult:
+             stream=None, batch_invariant: bool = False, structured: GrammarSpec | None = None) -> GenerationResult:
     """Generate text from ``prompt`` with speculative decoding; the output is distributed exactly
-    as the target's own sampling (``sampling``; greedy when temperature is 0). ``batch_invariant``:
+    as the target's own sampling (``sampling``; greedy when temperature is 0), restricted to what
+    ``structured`` allows (a GrammarSpec: JSON schema, regex, choice or Lark grammar). ``batch_invariant``:
     bf16 greedy output equal to bf16 plain decoding too (runtime/invariant.py; a loaded ``target``
     keeps its own setting)."""
     sampling = _checked(sampling, max_new_tokens, num_draft)
@@ -75,8 +83,9 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
                                                                      batch_invariant=batch_invariant)
     d = load_drafter(drafter, tgt, block_size=num_draft)
     ids = encode_prompt(tgt.tokenizer, prompt, chat)
+    grammar = None if structured is None else grammar_state(tgt, _spec(structured).compile())
     new, stats = generate_ids(tgt.model, ids, sampling, max_new_tokens, d, num_draft=num_draft,
-                              eos_ids=tgt.eos_token_ids, stream=stream)
+                              eos_ids=tgt.eos_token_ids, stream=stream, grammar=grammar)
     text = tgt.tokenizer.decode(new, skip_special_tokens=True)
     return GenerationResult(text, new, len(ids), d.name, stats)
 
@@ -85,7 +94,7 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
                    sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
                    num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
                    max_concurrency: int = 16, policy: str = "auto",
-                   prefix_caching: bool = True) -> list[GenerationResult]:
+                   prefix_caching: bool = True, structured: GrammarSpec | None = None) -> list[GenerationResult]:
     """Generate from many prompts at once, the way vLLM's offline ``LLM.generate`` does: up to
     ``max_concurrency`` requests share every target forward (the engine's continuous batching; the
     rest wait their turn), each output distributed exactly as the target's own sampling. With a
@@ -94,7 +103,8 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     profile` has measured a cost table for this target and drafter, else the whole block, as
     `dspark serve` does) or any policy name. ``prefix_caching``: a prompt admitted after another
     finished reuses the cached entries of their common start (as `dspark serve`; the output's law is
-    the same). Results come in the order of ``prompts``."""
+    the same). ``structured``: every output matches it (as for generate). Results come in the order
+    of ``prompts``."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise UsageError("prompts must be a non-empty list of strings")
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
@@ -106,10 +116,12 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     d = load_drafter(drafter, tgt, block_size=num_draft)
     engine = serving_engine(tgt, d, policy, min(max_concurrency, len(ids)),
                             max(map(len, ids)) + max_new_tokens + d.block_size + 1, prefix_caching)
+    grammar = None if structured is None else _spec(structured).compile()
     reqs = []
     for i, p in enumerate(ids):
         params = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-        reqs.append(engine.add_request(p, params, max_new_tokens))
+        reqs.append(engine.add_request(p, params, max_new_tokens,
+                                       grammar=None if grammar is None else grammar_state(tgt, grammar)))
     engine.run()
     return [GenerationResult(tgt.tokenizer.decode(r.output_ids, skip_special_tokens=True), r.output_ids,
                              len(p), d.name, r.stats) for r, p in zip(reqs, ids)]

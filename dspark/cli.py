@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_int, default=128)
     _add_sampling_flags(g)
     _add_model_flags(g)
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE",
+                    help="structured output: the text is JSON valid under this JSON schema ('{}' = any JSON)")
+    so.add_argument("--regex", default=None, help="structured output: the text matches this regular expression")
+    so.add_argument("--choice", action="append", default=None,
+                    help="structured output: the text is one of these (repeat the flag for each)")
+    so.add_argument("--grammar", default=None, metavar="FILE", help="structured output: a Lark grammar file")
     g.add_argument("--compare", action="store_true",
                    help="also run plain decoding on the same prompt and report the speed-up")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -218,6 +225,33 @@ def _setup_torch(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def _structured(args):
+    """The structured-output flags as a GrammarSpec (compiled here: a bad one fails before loading)."""
+    from pathlib import Path
+
+    from .structured import GrammarSpec
+
+    def read(value, flag):
+        if not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).expanduser().read_text()
+        except OSError as e:
+            raise UsageError(f"{flag}: cannot read {value[1:]}: {e.strerror}") from None
+    if args.json_schema is not None:
+        spec = GrammarSpec("json", read(args.json_schema, "--json-schema"))
+    elif args.regex is not None:
+        spec = GrammarSpec("regex", args.regex)
+    elif args.choice is not None:
+        spec = GrammarSpec("choice", args.choice)
+    elif args.grammar is not None:
+        spec = GrammarSpec("grammar", read("@" + args.grammar, "--grammar"))
+    else:
+        return None
+    spec.compile()
+    return spec
+
+
 def cmd_generate(args) -> int:
     from .api import check_max_new_tokens, generate
     from .drafters import load_drafter
@@ -232,6 +266,7 @@ def cmd_generate(args) -> int:
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     if args.num_draft is not None and args.num_draft < 0:
         raise UsageError("num-draft must be >= 0")
+    structured = _structured(args)
     _setup_torch(args)
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
@@ -245,11 +280,11 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
     res = generate(args.prompt, target=target, drafter=drafter, sampling=params,
                    max_new_tokens=args.max_new_tokens, chat=args.chat, num_draft=args.num_draft,
-                   stream=stream)
+                   stream=stream, structured=structured)
     out = res.to_dict()
     if args.compare:
         base = generate(args.prompt, target=target, drafter="plain", sampling=params,
-                        max_new_tokens=args.max_new_tokens, chat=args.chat)
+                        max_new_tokens=args.max_new_tokens, chat=args.chat, structured=structured)
         out["plain_tokens_per_second"] = base.tokens_per_second
         out["speedup"] = res.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
         out["identical_to_plain"] = base.token_ids == res.token_ids

@@ -49,6 +49,7 @@ class Request:
     logprobs: int | None = None           # None, or how many most likely tokens to record per position
     prompt_logprobs: int | None = None    # the same for the prompt's tokens (from the second on)
     min_tokens: int = 0                   # no stop token among the first this many output tokens
+    grammar: object = None                # structured.GrammarState: the tokens allowed next, or None
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
     status: str = "waiting"               # waiting | running | finished | cancelled
@@ -101,12 +102,14 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
                     stop_ids=None, on_tokens=None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, min_tokens: int = 0) -> Request:
+                    prompt_logprobs: int | None = None, min_tokens: int = 0, grammar=None) -> Request:
         """``logprobs``: record each output token's log probability and this many most likely
         tokens' (Request.output_logprobs; None = nothing recorded); ``prompt_logprobs``: the same for
         every prompt token after the first (Request.prompt_logprobs_out, filled as it prefills);
         ``min_tokens``: the stop tokens have probability 0 until the output holds that many (the
-        law the output then follows, which speculative decoding reproduces like any other)."""
+        law the output then follows, which speculative decoding reproduces like any other);
+        ``grammar``: a structured.GrammarState of this request alone, whose allowed tokens restrict
+        the law at every position (structured outputs)."""
         if not prompt_ids:
             raise UsageError("prompt is empty")
         for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
@@ -123,7 +126,7 @@ class Engine:
         if any(not 0 <= t < self.target.config.vocab_size for t in stops):
             raise UsageError(f"stop token ids must be in [0, {self.target.config.vocab_size}), got {sorted(stops)}")
         req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs, prompt_logprobs,
-                      min_tokens)
+                      min_tokens, grammar)
         req.generator = params.generator(self.target.device)
         req.t_start = time.perf_counter()
         self.waiting.append(req)
@@ -286,10 +289,21 @@ class Engine:
     def _law(r: Request, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """The logits r's tokens are drawn from at these rows (row k follows the output plus the first
         k drafts): the target's, penalised (SamplingParams) and with the stop tokens ruled out
-        before ``min_tokens``; the raw logits when neither applies."""
+        before ``min_tokens``, and only the tokens r's grammar allows there; the raw logits when
+        none applies."""
         if r.params.penalised:
             logits = penalised_logits(logits, r.params, r.prompt_ids, r.output_ids, drafts)
         early = r.min_tokens - len(r.output_ids)        # rows 0 .. early - 1 come before min_tokens
+        if r.grammar is not None:
+            allowed = r.grammar.masks([] if drafts is None else drafts.tolist())
+            if early > 0 and r.stop_ids:   # where the grammar allows only stop tokens, they win over min_tokens
+                stops = torch.zeros(allowed.shape[1], dtype=torch.bool)
+                stops[list(r.stop_ids)] = True
+                rows = allowed[:early].clone()
+                other = (rows & ~stops).any(-1)
+                rows[other] &= ~stops
+                allowed = torch.cat([rows, allowed[early:]])
+            return logits.float().masked_fill(~allowed, float("-inf"))
         if early > 0 and r.stop_ids:
             logits = logits.float().clone()
             logits[:early, list(r.stop_ids)] = float("-inf")
@@ -330,6 +344,8 @@ class Engine:
         tokens = tokens[:r.max_new_tokens - len(r.output_ids)]
         if r.logprobs is not None and tokens:
             r.output_logprobs.extend(token_logprobs(logits, tokens, r.logprobs))
+        if r.grammar is not None and tokens:
+            r.grammar.advance(tokens)
         r.output_ids.extend(tokens)
         r.ctx.tokens.extend(tokens)
         if r.on_tokens and tokens:

@@ -2,7 +2,9 @@
 side of a response: incremental detokenisation with stop strings.
 
 Fields the engine cannot honour are refused with a clear 400 rather than ignored: tools, and any
-field the API does not define. vLLM's extensions ``top_k``, ``repetition_penalty``,
+field the API does not define. Structured outputs (OpenAI's ``response_format`` json_object /
+json_schema, vLLM's ``structured_outputs`` json / regex / choice / grammar) restrict the law to what
+the grammar allows (structured.py). vLLM's extensions ``top_k``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the logit bias, penalties and
 ``min_tokens`` define the distribution the output follows (the target's processed logits), which
 speculative decoding reproduces exactly. Log
@@ -27,6 +29,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if sum(v is not None for v in (self.json_, self.regex, self.choice, self.grammar)) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        return self
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints."""
 
@@ -49,7 +87,25 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to its logit")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension")
     user: str | None = None
+
+    def grammar_spec(self):
+        """The structured.GrammarSpec the output must match, or None."""
+        from .structured import GrammarSpec
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise ValueError("give response_format or structured_outputs, not both")
+            if self.response_format.type == "json_object":
+                return GrammarSpec("json", {"type": "object"})
+            return GrammarSpec("json", self.response_format.json_schema.schema_)
+        so = self.structured_outputs
+        if so is None:
+            return None
+        for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)):
+            if value is not None:
+                return GrammarSpec(kind, value)
 
     @field_validator("stop")
     @classmethod
@@ -144,7 +200,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     @model_validator(mode="after")
     def _refused(self):
@@ -152,8 +207,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs requires logprobs: true")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
         return self
 
     @property

@@ -39,6 +39,7 @@ from .engine import Engine
 from .errors import DsparkError
 from .protocol import ChatCompletionRequest, CompletionRequest, TextStream
 from .sampling import SamplingParams
+from .structured import grammar_state
 
 log = logging.getLogger("dspark.server")
 
@@ -111,6 +112,7 @@ class Job:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0
+    grammar: object = None          # structured.GrammarState of this choice, or None
     request: object = None
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
@@ -212,7 +214,8 @@ class EngineWorker:
         try:
             job.request = self.engine.add_request(job.prompt_ids, job.params, job.max_new_tokens,
                                                   stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs,
-                                                  prompt_logprobs=job.prompt_logprobs, min_tokens=job.min_tokens)
+                                                  prompt_logprobs=job.prompt_logprobs, min_tokens=job.min_tokens,
+                                                  grammar=job.grammar)
         except DsparkError as e:
             job.sink(("error", str(e)))
             return
@@ -291,6 +294,15 @@ class Server:
             raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="prompt")
         return list(prompt)
 
+    def grammar(self, body) -> str | None:
+        """The request's structured-output constraint compiled (once for all its choices), or None."""
+        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        try:
+            spec = body.grammar_spec()
+            return None if spec is None else spec.compile()
+        except (ValueError, DsparkError) as e:
+            raise ApiError(400, str(e), param=param) from None
+
     def start(self, prompts: list[list[int]], body, max_tokens: int | None) -> tuple[list[_Choice], asyncio.Queue]:
         """Submit n choices per prompt; their events arrive on the returned queue as (index, event)."""
         loop = asyncio.get_running_loop()
@@ -303,6 +315,7 @@ class Server:
         bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
         if any(t >= vocab for t, _ in bias):
             raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {vocab}", param="logit_bias")
+        grammar = self.grammar(body)
         choices = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
@@ -320,7 +333,8 @@ class Server:
                 def sink(ev, i=ch.index):
                     loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
                 scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
-                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored, body.min_tokens)
+                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored, body.min_tokens,
+                             None if grammar is None else grammar_state(self.target, grammar))
         for ch in choices:
             self.worker.submit(ch.job)
         return choices, queue

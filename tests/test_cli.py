@@ -45,6 +45,11 @@ def test_generate_json(target_fp32):
     (["--prompt", "hi", "--temperature", "abc"], "expected a number"),
     (["--prompt", "hi", "--frequency-penalty", "3"], "frequency penalty"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "repetition penalty"),
+    (["--prompt", "hi", "--regex", "(a"], "invalid regex"),
+    (["--prompt", "hi", "--json-schema", '{"type": "bogus"}'], "invalid json"),
+    (["--prompt", "hi", "--json-schema", "@/nonexistent/schema.json"], "cannot read"),
+    (["--prompt", "hi", "--grammar", "/nonexistent/g.lark"], "cannot read"),
+    (["--prompt", "hi", "--regex", "a", "--choice", "b"], "not allowed with"),
 ])
 def test_bad_usage_exits_2_with_one_line(args, needle, capsys):
     code = main(["generate", *args])

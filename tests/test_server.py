@@ -164,6 +164,14 @@ def test_seeded_choices_are_reproducible(target_fp32):
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "json_schema is required"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+     400, "invalid json"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400, "invalid regex"),
+    ({"prompt": "hi", "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, 400,
+     "not both"),
 ])
 def test_bad_requests_get_clear_errors(server, body, status, says):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -462,3 +470,36 @@ def test_bad_logprobs_requests_name_the_field(server, body, field):
     route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     status, out = post(server[0] + route, body)
     assert status == 400 and field in out["error"]["message"], out
+
+
+def test_structured_outputs_match_their_schema_and_plain_decoding_under_it(client, target_fp32):
+    from dspark.structured import GrammarSpec, grammar_state
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=48, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "person", "schema": schema}})
+    out = json.loads(r.choices[0].message.content)
+    assert set(out) == {"name", "age"} and isinstance(out["name"], str) and 0 <= out["age"] <= 150
+    assert r.choices[0].finish_reason == "stop"
+    # the same constraint on plain decoding gives the same tokens
+    tok = target_fp32.tokenizer
+    ids = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    e = Engine(target_fp32.model, PlainDrafter(), max_requests=1, max_len=256, eos_ids=target_fp32.eos_token_ids)
+    plain_req = e.add_request(ids, SamplingParams(temperature=0), 48,
+                              grammar=grammar_state(target_fp32, GrammarSpec("json", schema).compile()))
+    e.run()
+    assert r.choices[0].message.content == tok.decode(plain_req.output_ids, skip_special_tokens=True)
+    # vLLM's structured_outputs through the completions route; any JSON object through chat
+    c = client.completions.create(model="smollm2-135m-instruct", prompt="Is the sky blue? Answer:", max_tokens=8,
+                                  temperature=0, extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
+    assert c.choices[0].text in (" yes", " no") and c.choices[0].finish_reason == "stop"
+    j = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=40, temperature=0.8,
+                                       seed=1, response_format={"type": "json_object"})
+    if j.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(j.choices[0].message.content), dict)
+    else:
+        assert j.choices[0].message.content.lstrip().startswith("{")

@@ -1,0 +1,137 @@
+"""Structured outputs: the target's law restricted to the tokens a grammar allows next.
+
+A request may carry a JSON schema, "any JSON object", a regular expression, a list of choices or a
+Lark grammar (OpenAI's ``response_format``, vLLM's ``structured_outputs``). The grammar is compiled
+and matched by llguidance, vLLM's ``guidance`` backend: at each position it says which tokens may
+come next, and the output is sampled from the target's logits with every other token at -inf (the
+end-of-text tokens are allowed exactly where the grammar is complete).
+
+With speculative decoding, verification row k follows the output plus the first k drafts, so its
+mask is the grammar's state after those drafts: the matcher consumes the drafts to build the rows'
+masks and rolls back. A draft the grammar forbids has probability 0 under the law and is rejected
+with certainty (the rows after it are never used). So the output follows the constrained law
+exactly, whatever drafted it; drafters are not told about the grammar.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+
+KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match: ``kind`` json (``value`` a JSON schema, a dict or its text),
+    regex (a pattern the whole output matches), choice (a list of strings, the output is one of
+    them) or grammar (a Lark grammar, llguidance's dialect)."""
+
+    kind: str
+    value: object
+
+    def compile(self) -> str:
+        """llguidance's grammar text; a UsageError naming the problem when it does not compile."""
+        from llguidance import LLMatcher
+        try:
+            if self.kind == "json":
+                schema = json.loads(self.value) if isinstance(self.value, str) else self.value
+                if not isinstance(schema, dict):
+                    raise UsageError("a JSON schema must be a JSON object")
+                text = LLMatcher.grammar_from_json_schema(schema)
+            elif self.kind == "regex":
+                if not isinstance(self.value, str) or not self.value:
+                    raise UsageError("regex must be a non-empty string")
+                text = LLMatcher.grammar_from_regex(self.value)
+            elif self.kind == "choice":
+                if (not isinstance(self.value, (list, tuple)) or not self.value
+                        or not all(isinstance(c, str) and c for c in self.value)):
+                    raise UsageError("choice must be a non-empty list of non-empty strings")
+                text = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
+            elif self.kind == "grammar":
+                if not isinstance(self.value, str) or not self.value.strip():
+                    raise UsageError("grammar must be a non-empty Lark grammar")
+                text = LLMatcher.grammar_from_lark(self.value)
+            else:
+                raise UsageError(f"unknown structured output kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        except (ValueError, TypeError) as e:    # json.JSONDecodeError is a ValueError
+            raise UsageError(f"invalid {self.kind}: {_one_line(str(e))}") from None
+        bad, messages = LLMatcher.validate_grammar_with_warnings(text)
+        if bad:
+            raise UsageError(f"invalid {self.kind}: {_one_line('; '.join(messages))}")
+        return text
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def grammar_tokenizer(target):
+    """llguidance's view of the target's tokenizer (built once per target, about 0.3 s): token
+    bytes over the model's vocabulary, the target's end-of-text tokens as its end."""
+    tok = getattr(target, "_grammar_tokenizer", None)
+    if tok is None:
+        import llguidance.hf
+        try:
+            tok = llguidance.hf.from_tokenizer(target.tokenizer, n_vocab=target.model.config.vocab_size,
+                                               eos_token=list(target.eos_token_ids))
+        except ValueError as e:
+            raise UsageError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from None
+        target._grammar_tokenizer = tok
+    return tok
+
+
+class GrammarState:
+    """One request's matcher: the masks of a verification block's rows, and the output so far."""
+
+    def __init__(self, tokenizer, grammar: str, vocab_size: int, end_ids):
+        from llguidance import LLMatcher
+        self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise UsageError(f"invalid grammar: {self.matcher.get_error()}")
+        self.vocab_size = vocab_size
+        self.end = torch.zeros(vocab_size, dtype=torch.bool)
+        self.end[list(end_ids)] = True
+
+    def _mask(self) -> torch.Tensor:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
+        if mask.shape[0] < self.vocab_size:          # a tokenizer shorter than the model's vocabulary
+            mask = torch.cat([mask, torch.zeros(self.vocab_size - mask.shape[0], dtype=torch.bool)])
+        # nothing allowed (the grammar has ended): only the end, so that the request can stop
+        return mask if mask.any() else self.end
+
+    def masks(self, drafts: list[int]) -> torch.Tensor:
+        """[len(drafts) + 1, V] bool: the tokens allowed at row k, after the output and drafts[:k].
+        Rows after a forbidden draft repeat the last real one (verification stops before them)."""
+        rows, taken = [], 0
+        for k in range(len(drafts) + 1):
+            rows.append(self._mask())
+            if (k == len(drafts) or not rows[-1][drafts[k]] or self.matcher.is_stopped()
+                    or not self.matcher.consume_token(drafts[k])):
+                break
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        rows.extend([rows[-1]] * (len(drafts) + 1 - len(rows)))
+        return torch.stack(rows)
+
+    def advance(self, tokens: list[int]) -> None:
+        """The output grew by these tokens (drawn from the masked law, so the grammar allows them; once
+        the grammar has ended, only end tokens, which the matcher no longer takes)."""
+        for t in tokens:
+            if self.matcher.is_stopped() and self.end[t]:
+                continue
+            if not self.matcher.consume_token(t):
+                raise RuntimeError(f"the grammar refused emitted token {t}: {self.matcher.get_error()}")
+
+
+def grammar_state(target, grammar: str) -> GrammarState:
+    """A fresh matcher for one request over a compiled grammar (GrammarSpec.compile; each choice of
+    a request has its own matcher)."""
+    return GrammarState(grammar_tokenizer(target), grammar, target.model.config.vocab_size, target.eos_token_ids)

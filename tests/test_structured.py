@@ -1,0 +1,165 @@
+"""Structured outputs: the output follows the target's law restricted by the grammar, exactly, through
+drafting (chi-square on a tiny target with a one-character-per-token tokenizer, under verification
+lengths that vary; greedy equal to plain decoding under the same grammar); the row masks of a block;
+clear errors for bad constraints."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from dspark.drafters import DraftLMDrafter
+from dspark.engine import Engine
+from dspark.errors import UsageError
+from dspark.runtime.model import Decoder
+from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.scheduling.policies import Policy
+from dspark.structured import GrammarSpec, grammar_state
+
+from _lossless import chi2_pvalue
+
+EOS = 4
+REGEX = "(a|bc|d)+"      # after b only c; the end only where the text is complete
+
+
+def _tiny(seed, scale=8.0):
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(scale)
+    return Decoder.from_hf(m)
+
+
+def _target(decoder):
+    """A loaded target as the server sees it, with a tokenizer of one character per token."""
+    tk = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "d": 3, "</s>": EOS}, unk_token="</s>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+    return SimpleNamespace(model=decoder, tokenizer=tok, eos_token_ids=(EOS,))
+
+
+class _Cycling(Policy):
+    """Verifies 0 - 3 drafts on a schedule that depends on nothing sampled."""
+
+    def __init__(self):
+        self.tick, self.used = 0, set()
+
+    def verify_lengths(self, requests, proposals):
+        out = []
+        for p in proposals:
+            self.tick += 1
+            out.append(min(len(p), self.tick % 4))
+            self.used.add(out[-1])
+        return out
+
+
+def _allowed(target, grammar, prefix):
+    """Reference mask after ``prefix``: a fresh matcher fed the prefix one token at a time."""
+    g = grammar_state(target, grammar)
+    g.advance(list(prefix))
+    return g.masks([])[0]
+
+
+def _constrained_law(target, grammar, prompt, n_new, params):
+    """{output: probability} of every output of at most n_new tokens (ending at EOS or at n_new)."""
+    law = {}
+
+    def walk(seq, p):
+        if len(seq) == n_new or (seq and seq[-1] == EOS):
+            law[tuple(seq)] = law.get(tuple(seq), 0.0) + p
+            return
+        cache = target.model.new_cache(1, len(prompt) + n_new + 1)
+        ids = prompt + seq
+        logits = target.model(torch.tensor(ids), [(cache.allocate(), len(ids))], cache).logits[-1:].float()
+        logits = logits.masked_fill(~_allowed(target, grammar, seq), float("-inf"))
+        probs = probs_from_logits(logits, params)[0]
+        for t in range(5):
+            if probs[t] > 0:
+                walk(seq + [t], p * float(probs[t]))
+    walk([], 1.0)
+    return law
+
+
+def test_constrained_output_follows_the_masked_law_through_drafting():
+    target = _target(_tiny(0))
+    grammar = GrammarSpec("regex", REGEX).compile()
+    prompt, n_new, draws = [1, 3, 2], 5, 3000
+    policy = _Cycling()
+    engine = Engine(target.model, DraftLMDrafter(_tiny(1), block_size=3), policy, max_requests=8, max_len=24,
+                    eos_ids=(EOS,))
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new,
+                               grammar=grammar_state(target, grammar)) for s in range(draws)]
+    engine.run()
+    assert {1, 2, 3} <= policy.used, f"verification lengths used: {policy.used}"
+    accepted = sum(r.stats.num_accepted_tokens for r in reqs)
+    drafted = sum(r.stats.num_draft_tokens for r in reqs)
+    assert 0 < accepted < drafted, "drafts were all accepted or all rejected: the test shows little"
+    counts = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    law = _constrained_law(target, grammar, prompt, n_new, SamplingParams(temperature=1.0))
+    assert chi2_pvalue(counts, law) > 1e-3
+    # without the grammar the same draws would often break it (the test can tell the two apart)
+    free = Engine(target.model, None, max_requests=8, max_len=24, eos_ids=(EOS,))
+    loose = [free.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new) for s in range(300)]
+    free.run()
+    assert sum(tuple(r.output_ids) not in law for r in loose) > 30
+
+
+def test_greedy_under_a_grammar_equals_plain_decoding_under_it():
+    target = _target(_tiny(2, scale=4.0))
+    grammar = GrammarSpec("regex", "(ab|c|d)+").compile()
+    greedy = SamplingParams(temperature=0)
+    changed = accepted = 0
+    for prompt in ([1, 2, 3], [0, 0, 1], [3]):
+        runs = []
+        for drafter in (None, DraftLMDrafter(_tiny(3, scale=4.0), block_size=3)):
+            e = Engine(target.model, drafter, max_requests=1, max_len=40, eos_ids=(EOS,))
+            runs.append(e.add_request(prompt, greedy, 16, grammar=grammar_state(target, grammar)))
+            e.run()
+        assert runs[1].output_ids == runs[0].output_ids
+        accepted += runs[1].stats.num_accepted_tokens
+        e = Engine(target.model, None, max_requests=1, max_len=40, eos_ids=(EOS,))
+        free = e.add_request(prompt, greedy, 16)
+        e.run()
+        changed += free.output_ids != runs[0].output_ids
+    assert accepted > 0 and changed > 0
+
+
+def test_block_masks_follow_the_drafts_and_leave_the_state_alone():
+    target = _target(_tiny(0))
+    g = grammar_state(target, GrammarSpec("regex", REGEX).compile())
+    before = g.masks([])[0].tolist()
+    assert before == [True, True, False, True, False]
+    rows = g.masks([1, 2, 0])                    # b c a: all allowed
+    assert rows.tolist() == [before, [False, False, True, False, False], [True, True, False, True, True],
+                             [True, True, False, True, True]]
+    rows = g.masks([1, 0, 3])                    # b a: the a is forbidden, the rows after repeat its row
+    assert rows[1].tolist() == [False, False, True, False, False] and torch.equal(rows[2], rows[1])
+    assert torch.equal(rows[3], rows[1])
+    assert g.masks([])[0].tolist() == before     # rolled back
+    g.advance([1, 2])
+    assert g.masks([])[0].tolist() == [True, True, False, True, True]
+
+
+def test_choice_and_json_schema_compile_and_bad_constraints_are_clear():
+    target = _target(_tiny(0))
+    g = grammar_state(target, GrammarSpec("choice", ["ab", "d"]).compile())
+    assert g.masks([])[0].tolist() == [True, False, False, True, False]
+    GrammarSpec("json", {"type": "object", "properties": {"x": {"type": "integer"}}}).compile()
+    GrammarSpec("json", '{"type": "string"}').compile()
+    for spec, needle in [(GrammarSpec("regex", "(a"), "invalid regex"),
+                         (GrammarSpec("json", {"type": "bogus"}), "invalid json"),
+                         (GrammarSpec("json", "{not json"), "invalid json"),
+                         (GrammarSpec("json", [1]), "JSON object"),
+                         (GrammarSpec("choice", []), "non-empty list"),
+                         (GrammarSpec("grammar", "start: ???"), "invalid grammar"),
+                         (GrammarSpec("yaml", "x"), "unknown structured output")]:
+        with pytest.raises(UsageError, match=needle):
+            spec.compile()
