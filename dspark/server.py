@@ -37,7 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .engine import Engine
 from .errors import DsparkError
-from .protocol import ChatCompletionRequest, CompletionRequest, TextStream
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
+                       chat_messages)
 from .sampling import SamplingParams
 from .structured import grammar_state
 
@@ -277,14 +278,16 @@ class Server:
                            code="context_length_exceeded")
         return max_tokens
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 add_special_tokens: bool = False) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except Exception as e:     # a template that refuses these messages (e.g. roles out of order)
             raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -544,6 +547,22 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
                                             "owned_by": "dspark", "max_model_len": engine.cache.max_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        srv.check(body)
+        if body.prompt is not None:
+            ids = srv.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
+        else:
+            ids = srv.chat_ids(chat_messages(body.messages), body.add_generation_prompt, bool(body.add_special_tokens))
+        strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.cache.max_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        srv.check(body)
+        srv.prompt_ids(body.tokens)     # the ids are checked against the vocabulary
+        return {"prompt": srv.tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         srv.check(body)
@@ -559,7 +578,7 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         srv.check(body)
-        choices, queue = srv.start([srv.chat_ids(body)], body, body.token_limit)
+        choices, queue = srv.start([srv.chat_ids(body.chat())], body, body.token_limit)
         return await _respond(srv, body, request, choices, queue, "chatcmpl", "chat.completion",
                               "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
                               opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],

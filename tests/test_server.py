@@ -503,3 +503,23 @@ def test_structured_outputs_match_their_schema_and_plain_decoding_under_it(clien
         assert isinstance(json.loads(j.choices[0].message.content), dict)
     else:
         assert j.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_tokenize_and_detokenize_as_vllm(server, client, target_fp32):
+    tok = target_fp32.tokenizer
+    code, out = post(server[0] + "/tokenize", {"prompt": "Hello there", "return_token_strs": True})
+    assert code == 200 and out["tokens"] == tok("Hello there")["input_ids"] and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == server[1].engine.cache.max_len and len(out["token_strs"]) == out["count"]
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    code, out = post(server[0] + "/tokenize", {"messages": msgs})
+    r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=1, temperature=0)
+    assert code == 200 and out["count"] == r.usage.prompt_tokens
+    code, back = post(server[0] + "/detokenize", {"tokens": out["tokens"]})
+    assert code == 200 and back["prompt"] == tok.decode(out["tokens"])
+    for path, body, needle in [("/tokenize", {"prompt": "a", "messages": msgs}, "exactly one"),
+                               ("/tokenize", {}, "exactly one"),
+                               ("/detokenize", {"tokens": [10 ** 9]}, "vocabulary"),
+                               ("/detokenize", {"tokens": [-1]}, ">= 0"),
+                               ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist")]:
+        code, out = post(server[0] + path, body)
+        assert code in (400, 404) and needle in out["error"]["message"], out
