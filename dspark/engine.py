@@ -150,19 +150,38 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
+        waiting = []        # with prefix caching: requests that wait for a prefill in flight to share it
         while self.waiting and self.cache.num_free:
             req = self.waiting.popleft()
             if self.prefix is None:
                 req.slot = self.cache.allocate()
             else:
-                slot, n = self.prefix.choose(self.cache.free_slots, req.prompt_ids,
-                                             reusable=req.prompt_logprobs is None)
-                req.slot = self.cache.allocate(slot, length=n)
+                pick = self.prefix.choose(self.cache.free_slots, req.prompt_ids, req.prompt_logprobs is None,
+                                          self._in_flight())
+                if pick is None:
+                    waiting.append(req)
+                    continue
+                slot, n, source = pick
+                req.slot = self.cache.allocate(slot, length=0 if source is not None else n)
+                if source is not None:
+                    self.cache.copy_prefix(source, slot, n)
+                    self.prefix.copy_features(source, slot, n)
                 req.prefilled = req.stats.num_cached_tokens = n
                 if self.drafter.feature_layers:
                     req.prompt_features = self.prefix.prefix_features(slot, n)
             req.status = "running"
             self.running.append(req)
+        self.waiting.extendleft(reversed(waiting))
+
+    def _in_flight(self) -> list:
+        """(slot, tokens of its computed entries, its prompt if still prefilling) of each request in
+        flight; the entries past the output (drafts after a stop) are not the output's."""
+        out = []
+        for r in self.running:
+            n = self.cache.lengths[r.slot]
+            seq = r.prompt_ids[:n] if n <= len(r.prompt_ids) else (r.prompt_ids + r.output_ids)[:n]
+            out.append((r.slot, seq, r.prompt_ids if r.ctx is None else None))
+        return out
 
     def _release(self, req: Request) -> None:
         if req in self.running:

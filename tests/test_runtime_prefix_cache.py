@@ -20,14 +20,30 @@ def test_choose_takes_the_longest_match_over_the_minimum_else_the_lowest_slot():
     pc.keep(1, [1, 2, 3, 4, 5])
     pc.keep(2, [1, 2, 3, 9])
     pc.keep(3, [1, 2])
-    assert pc.choose([0, 1, 2, 3], [1, 2, 3, 4, 7]) == (1, 4)
+    assert pc.choose([0, 1, 2, 3], [1, 2, 3, 4, 7]) == (1, 4, None)
     assert len(pc.held[1]) == 0                          # taken: its entries are the new request's now
-    assert pc.choose([0, 2, 3], [1, 2, 3, 9]) == (2, 3)   # the last prompt token always runs
-    assert pc.choose([0, 3], [1, 2, 8]) == (0, 0)         # 2 tokens: under the minimum
+    assert pc.choose([0, 2, 3], [1, 2, 3, 9]) == (2, 3, None)   # the last prompt token always runs
+    assert pc.choose([0, 3], [1, 2, 8]) == (0, 0, None)         # 2 tokens: under the minimum
     pc.keep(3, [5, 5, 5, 5])
-    assert pc.choose([0, 3], [5, 5, 5, 5, 1], reusable=False) == (0, 0)   # e.g. prompt logprobs asked
-    assert pc.choose([3], [5, 5, 5, 5, 1]) == (3, 4)
+    assert pc.choose([0, 3], [5, 5, 5, 5, 1], reusable=False) == (0, 0, None)   # e.g. prompt logprobs asked
+    assert pc.choose([3], [5, 5, 5, 5, 1]) == (3, 4, None)
     assert (pc.queries, pc.hits) == (5 + 4 + 3 + 5, 4 + 3 + 4)
+
+
+def test_choose_copies_from_a_request_in_flight_or_waits_for_its_prefill():
+    pc = PrefixCache(4, 64, min_match=3)
+    pc.keep(2, [7, 7, 7])
+    prompt = [7, 7, 7, 7, 8, 9]
+    # slot 0 decodes and has computed 5 of the prompt's tokens: copy them into the lowest free slot
+    assert pc.choose([1, 2, 3], prompt, running=[(0, [7, 7, 7, 7, 8, 1], None)]) == (1, 5, 0)
+    # a free slot that holds as much is taken in place
+    pc.keep(3, [7, 7, 7, 7, 8])
+    assert pc.choose([2, 3], prompt, running=[(0, [7, 7, 7, 7, 8, 1], None)]) == (3, 5, None)
+    # slot 0 is prefilling this prompt and has computed none of it: wait for it rather than repeat it
+    assert pc.choose([1], prompt, running=[(0, [], prompt)]) is None
+    # ... unless a free slot already holds nearly as much (5 tokens to come, 3 there)
+    pc.keep(2, [7, 7, 7])
+    assert pc.choose([1, 2], prompt, running=[(0, [], prompt)]) == (2, 3, None)
 
 
 def _engine(target, drafter, caching, **kw):
@@ -113,3 +129,44 @@ def test_kept_features_are_the_positions_own():
     cache = target.new_cache(1, 96)
     out = target(torch.tensor(seq[:n]), [(cache.allocate(), n)], cache, feature_layers=drafter.feature_layers)
     assert torch.allclose(e.prefix.features[0, :n].float(), torch.cat(out.features, -1).float(), atol=1e-4)
+
+
+def test_choices_of_one_prompt_prefill_it_once_and_keep_their_outputs():
+    target = tiny_target(scale=3.0)
+    prompt = [1, 2, 3, 4, 0, 2, 1, 3, 3, 1, 4, 2, 0, 1]
+    runs = []
+    for caching in (False, True):
+        e = Engine(target, _drafter(target), FixedPolicy(3), max_requests=4, max_len=96, block_size=3,
+                   prefix_caching=caching, prefix_min_match=4)
+        reqs = [e.add_request(prompt, SamplingParams(temperature=1.0, seed=s), 10) for s in range(3)]
+        e.step()
+        if caching:      # the first prefills; the others wait for it instead of prefilling it again
+            assert [r.status for r in reqs] == ["running", "waiting", "waiting"]
+        e.run()
+        runs.append(reqs)
+    for a, b in zip(*runs):
+        assert b.output_ids == a.output_ids
+        assert (b.stats.num_draft_tokens, b.stats.num_accepted_tokens) == \
+               (a.stats.num_draft_tokens, a.stats.num_accepted_tokens)
+    assert [r.stats.num_cached_tokens for r in runs[1]] == [0, len(prompt) - 1, len(prompt) - 1]
+
+
+def test_a_follow_up_copies_the_entries_of_a_request_still_decoding():
+    target = tiny_target(scale=3.0)
+    greedy = SamplingParams(temperature=0)
+    first_prompt = [1, 2, 3, 4, 0, 2, 1, 3]
+    outs = []
+    for caching in (False, True):
+        e = Engine(target, _drafter(target), FixedPolicy(3), max_requests=2, max_len=96, block_size=3,
+                   prefix_caching=caching, prefix_min_match=4)
+        a = e.add_request(first_prompt, greedy, 40)
+        for _ in range(4):
+            e.step()
+        assert a.status == "running" and len(a.output_ids) > 3
+        follow = e.add_request(first_prompt + a.output_ids[:3] + [2], greedy, 10)
+        e.run()
+        outs.append((a, follow))
+    assert outs[1][1].output_ids == outs[0][1].output_ids and outs[1][0].output_ids == outs[0][0].output_ids
+    assert (outs[1][1].stats.num_draft_tokens, outs[1][1].stats.num_accepted_tokens) == \
+           (outs[0][1].stats.num_draft_tokens, outs[0][1].stats.num_accepted_tokens)
+    assert outs[1][1].stats.num_cached_tokens == len(first_prompt) + 3

@@ -66,6 +66,15 @@ class KVCache:
         self._free.append(slot)
         self._free.sort(reverse=True)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give ``dst`` the first n entries of ``src`` (a shared prefix; dst's length becomes n)."""
+        if not 0 <= n <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} entries, not {n}")
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst] = n
+
     def truncate(self, slot: int, length: int) -> None:
         """Keep the first ``length`` entries of ``slot`` (roll back rejected tokens)."""
         if not 0 <= length <= self.lengths[slot]:
