@@ -15,13 +15,14 @@ truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``ech
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16          # choices per request
 MAX_STOPS = 16      # stop strings per request
 MAX_LOGPROBS = 20   # most likely tokens returned per position (OpenAI's limit for chat)
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -80,7 +81,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-text tokens")
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOPS,
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOPS,
                                       description="vLLM extension: token ids that end a choice too (kept)")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: no stop token before this many tokens")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -116,13 +117,6 @@ class _Sampling(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, v):
-        if any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
-        return v
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -247,14 +241,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
-
-    @field_validator("tokens")
-    @classmethod
-    def _ids(cls, v):
-        if any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
-        return v
+    tokens: list[TokenId]
 
 
 class TextStream:

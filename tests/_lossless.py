@@ -8,6 +8,24 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.sampling import probs_from_logits
+from dspark.scheduling.policies import Policy
+
+
+class CyclingPolicy(Policy):
+    """Verifies 0, 1, 2 or 3 drafts by a schedule that depends on nothing sampled (lossless), so
+    that a law test sees several verification lengths."""
+
+    def __init__(self):
+        self.tick = 0
+        self.used = set()
+
+    def verify_lengths(self, requests, proposals):
+        out = []
+        for p in proposals:
+            self.tick += 1
+            out.append(min(len(p), self.tick % 4))
+            self.used.add(out[-1])
+        return out
 
 
 def naive_penalised(row, params, prompt, text):

@@ -12,9 +12,9 @@ from dspark.evaluation.identity import first_divergence, top2_gap
 from dspark.generation import generate_ids
 from dspark.runtime.model import Decoder
 from dspark.sampling import SamplingParams
-from dspark.scheduling.policies import FixedPolicy, MTP1Policy, Policy
+from dspark.scheduling.policies import FixedPolicy, MTP1Policy
 
-from _lossless import chi2_pvalue, exact_law
+from _lossless import CyclingPolicy, chi2_pvalue, exact_law
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -54,28 +54,12 @@ def test_concurrent_greedy_equals_batch_1(target_fp32, bench_prompts):
     assert sum(r.stats.num_accepted_tokens for r in reqs) > 0
 
 
-class _CyclingPolicy(Policy):
-    """Verifies 0, 1, 2 or 3 drafts by a schedule that depends on nothing sampled (lossless)."""
-
-    def __init__(self):
-        self.tick = 0
-        self.used = set()
-
-    def verify_lengths(self, requests, proposals):
-        out = []
-        for p in proposals:
-            self.tick += 1
-            out.append(min(len(p), self.tick % 4))
-            self.used.add(out[-1])
-        return out
-
-
 def test_sampling_through_engine_with_concurrency_keeps_target_distribution():
     target, draft = _tiny(0), _tiny(1)
     params = SamplingParams(temperature=1.0)
     prompt, n_new, draws, conc = [1, 3, 2], 3, 3000, 6
     gen_len = 7  # generate 7 tokens, test the law of the first 3 (so blocks of 3 are verified)
-    policy = _CyclingPolicy()
+    policy = CyclingPolicy()
     engine = Engine(target, DraftLMDrafter(draft, block_size=3), policy, max_requests=conc,
                     max_len=24)
     reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), gen_len) for s in range(draws)]
@@ -135,7 +119,7 @@ def test_penalties_keep_the_penalised_targets_distribution():
     params = dict(temperature=1.0, presence_penalty=2.0, frequency_penalty=1.0, repetition_penalty=2.0,
                   logit_bias=((4, 1.5),))
     prompt, n_new, draws = [1, 3, 2], 3, 3000
-    policy = _CyclingPolicy()
+    policy = CyclingPolicy()
     engine = Engine(target, DraftLMDrafter(draft, block_size=3), policy, max_requests=6, max_len=24)
     reqs = [engine.add_request(prompt, SamplingParams(seed=s, **params), 5) for s in range(draws)]
     engine.run()
@@ -166,7 +150,7 @@ def test_min_tokens_rules_out_stop_tokens_and_keeps_the_law():
     lengths); afterwards a stop token ends the request again."""
     target, draft = _tiny(0), _tiny(1)
     prompt, n_new, draws, stop = [1, 3, 2], 3, 3000, 0
-    policy = _CyclingPolicy()
+    policy = CyclingPolicy()
     engine = Engine(target, DraftLMDrafter(draft, block_size=3), policy, max_requests=6, max_len=40)
     reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), 12, stop_ids={stop}, min_tokens=n_new)
             for s in range(draws)]

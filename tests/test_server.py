@@ -519,7 +519,7 @@ def test_tokenize_and_detokenize_as_vllm(server, client, target_fp32):
     for path, body, needle in [("/tokenize", {"prompt": "a", "messages": msgs}, "exactly one"),
                                ("/tokenize", {}, "exactly one"),
                                ("/detokenize", {"tokens": [10 ** 9]}, "vocabulary"),
-                               ("/detokenize", {"tokens": [-1]}, ">= 0"),
+                               ("/detokenize", {"tokens": [-1]}, "greater than or equal to 0"),
                                ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist")]:
         code, out = post(server[0] + path, body)
         assert code in (400, 404) and needle in out["error"]["message"], out

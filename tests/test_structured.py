@@ -16,10 +16,9 @@ from dspark.engine import Engine
 from dspark.errors import UsageError
 from dspark.runtime.model import Decoder
 from dspark.sampling import SamplingParams, probs_from_logits
-from dspark.scheduling.policies import Policy
 from dspark.structured import GrammarSpec, grammar_state
 
-from _lossless import chi2_pvalue
+from _lossless import CyclingPolicy, chi2_pvalue
 
 EOS = 4
 REGEX = "(a|bc|d)+"      # after b only c; the end only where the text is complete
@@ -42,21 +41,6 @@ def _target(decoder):
     tk.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
     return SimpleNamespace(model=decoder, tokenizer=tok, eos_token_ids=(EOS,))
-
-
-class _Cycling(Policy):
-    """Verifies 0 - 3 drafts on a schedule that depends on nothing sampled."""
-
-    def __init__(self):
-        self.tick, self.used = 0, set()
-
-    def verify_lengths(self, requests, proposals):
-        out = []
-        for p in proposals:
-            self.tick += 1
-            out.append(min(len(p), self.tick % 4))
-            self.used.add(out[-1])
-        return out
 
 
 def _allowed(target, grammar, prefix):
@@ -90,7 +74,7 @@ def test_constrained_output_follows_the_masked_law_through_drafting():
     target = _target(_tiny(0))
     grammar = GrammarSpec("regex", REGEX).compile()
     prompt, n_new, draws = [1, 3, 2], 5, 3000
-    policy = _Cycling()
+    policy = CyclingPolicy()
     engine = Engine(target.model, DraftLMDrafter(_tiny(1), block_size=3), policy, max_requests=8, max_len=24,
                     eos_ids=(EOS,))
     reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new,
