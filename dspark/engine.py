@@ -278,7 +278,9 @@ class Engine:
                     self.prefix.store_features(r.slot, self.cache.lengths[r.slot] - n - 1, feats[start:start + n + 1])
             s = r.stats
             s.num_rounds += 1
-            if l:
+            if p.forced:
+                s.num_forced_tokens += n
+            elif l:
                 s.num_drafts += 1
                 s.num_draft_tokens += l
                 s.num_accepted_tokens += n
@@ -350,7 +352,13 @@ class Engine:
         t0 = time.perf_counter()
         lengths = self.policy.verify_lengths(decode, proposals)
         self.policy_seconds += time.perf_counter() - t0
-        return [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
+        out = [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
+        for i, r in enumerate(decode):   # jump-forward: what a grammar forces, unless the block starts with it
+            if r.grammar is not None:
+                forced = r.grammar.forced(min(self.block_size, r.max_new_tokens - len(r.output_ids) - 1))
+                if forced and out[i].tokens[:len(forced)].tolist() != forced:
+                    out[i] = Proposal(torch.tensor(forced, dtype=torch.long), free=True, forced=True)
+        return out
 
     def _emit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> bool:
         """Append emitted tokens (cut at a stop token or the length limit; ``logits``: the target's

@@ -14,6 +14,7 @@ class GenerationStats:
     num_drafts: int = 0              # rounds that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_forced_tokens: int = 0       # tokens a grammar forced, proposed instead of drafts and accepted (not drafts)
     accepted_per_position: list = field(default_factory=list)
     num_cached_tokens: int = 0       # prompt tokens found in the prefix cache, not run (vLLM's RequestOutput field)
     prefill_seconds: float = 0.0

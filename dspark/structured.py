@@ -10,7 +10,10 @@ With speculative decoding, verification row k follows the output plus the first 
 mask is the grammar's state after those drafts: the matcher consumes the drafts to build the rows'
 masks and rolls back. A draft the grammar forbids has probability 0 under the law and is rejected
 with certainty (the rows after it are never used). So the output follows the constrained law
-exactly, whatever drafted it; drafters are not told about the grammar.
+exactly, whatever drafted it; drafters are not told about the grammar. Where the grammar forces
+the next tokens (jump-forward decoding), the engine proposes those instead of the drafter's block
+unless the block starts with them: a proposal chosen from the grammar's state alone, verified as
+any other.
 """
 
 from __future__ import annotations
@@ -120,6 +123,14 @@ class GrammarState:
             self.matcher.rollback(taken)
         rows.extend([rows[-1]] * (len(drafts) + 1 - len(rows)))
         return torch.stack(rows)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (llguidance's fast-forward tokens: a
+        key's name, the punctuation around it), proposed as drafts: the masked law puts all or
+        nearly all its mass on them, so they are accepted almost surely, whoever else drafts."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens()[:limit])
 
     def advance(self, tokens: list[int]) -> None:
         """The output grew by these tokens (drawn from the masked law, so the grammar allows them; once

@@ -1,7 +1,7 @@
 """Structured outputs: the output follows the target's law restricted by the grammar, exactly, through
-drafting (chi-square on a tiny target with a one-character-per-token tokenizer, under verification
-lengths that vary; greedy equal to plain decoding under the same grammar); the row masks of a block;
-clear errors for bad constraints."""
+drafting and the grammar's forced tokens (chi-square on a tiny target with a one-character-per-token
+tokenizer, under verification lengths that vary; greedy equal to plain decoding under the same
+grammar); the row masks of a block; clear errors for bad constraints."""
 
 from types import SimpleNamespace
 
@@ -84,6 +84,8 @@ def test_constrained_output_follows_the_masked_law_through_drafting():
     accepted = sum(r.stats.num_accepted_tokens for r in reqs)
     drafted = sum(r.stats.num_draft_tokens for r in reqs)
     assert 0 < accepted < drafted, "drafts were all accepted or all rejected: the test shows little"
+    # after b the grammar forces c: proposed instead of the draft model's block (jump-forward)
+    assert sum(r.stats.num_forced_tokens for r in reqs) > 100
     counts = {}
     for r in reqs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
@@ -108,7 +110,7 @@ def test_greedy_under_a_grammar_equals_plain_decoding_under_it():
             runs.append(e.add_request(prompt, greedy, 16, grammar=grammar_state(target, grammar)))
             e.run()
         assert runs[1].output_ids == runs[0].output_ids
-        accepted += runs[1].stats.num_accepted_tokens
+        accepted += runs[1].stats.num_accepted_tokens + runs[1].stats.num_forced_tokens
         e = Engine(target.model, None, max_requests=1, max_len=40, eos_ids=(EOS,))
         free = e.add_request(prompt, greedy, 16)
         e.run()

@@ -22,13 +22,14 @@ class Proposal:
     probs: torch.Tensor | None = None         # [k, V] fp32 the tokens were drawn from; None = point masses
     confidences: torch.Tensor | None = None   # [k]: P(token j survives | tokens < j survived)
     free: bool = False                        # made without a drafter forward (a lookup): costs nothing to draft
+    forced: bool = False                      # the tokens a request's grammar forces next (structured outputs)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def truncate(self, n: int) -> "Proposal":
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                        None if self.confidences is None else self.confidences[:n], self.free)
+                        None if self.confidences is None else self.confidences[:n], self.free, self.forced)
 
     @staticmethod
     def empty() -> "Proposal":
