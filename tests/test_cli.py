@@ -170,7 +170,13 @@ def _check_merge(res, tmp_path):
     (["calibrate", "--rollouts", str(Path(__file__)), "--prompts", str(Path(__file__).parent / "_calib_prompts.jsonl")],
      "not a rollouts file"),
 ])
-def test_training_commands_bad_input_exit_2(args, needle, tmp_path):
-    code, out, err = _run(args, env={"DSPARK_CACHE": str(tmp_path / "cache")} if args[0] == "eval" else None)
+def test_training_commands_bad_input_exit_2(args, needle, tmp_path, target_fp32):
+    env = None
+    if args[0] == "eval":   # a cache without trained drafters, sharing the converted target (20 s to convert again)
+        from dspark.runtime.loading import cache_dir
+        (tmp_path / "cache").mkdir()
+        (tmp_path / "cache" / "models").symlink_to(cache_dir() / "models", target_is_directory=True)
+        env = {"DSPARK_CACHE": str(tmp_path / "cache")}
+    code, out, err = _run(args, env=env)
     assert code == 2, (code, err)
     assert needle in err
