@@ -493,6 +493,16 @@ def test_structured_outputs_match_their_schema_and_plain_decoding_under_it(clien
                               grammar=grammar_state(target_fp32, GrammarSpec("json", schema).compile()))
     e.run()
     assert r.choices[0].message.content == tok.decode(plain_req.output_ids, skip_special_tokens=True)
+    # streamed, and two seeded choices, each under its own matcher
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    chunks = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=48,
+                                            temperature=0, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    two = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=48, n=2, seed=3,
+                                         temperature=1.0, response_format=fmt)
+    for ch in two.choices:
+        if ch.finish_reason == "stop":
+            assert set(json.loads(ch.message.content)) == {"name", "age"}
     # vLLM's structured_outputs through the completions route; any JSON object through chat
     c = client.completions.create(model="smollm2-135m-instruct", prompt="Is the sky blue? Answer:", max_tokens=8,
                                   temperature=0, extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
