@@ -14,7 +14,8 @@ Requests join and leave at any step (continuous batching). Each step:
 A request holds one cache slot from admission to its end; a finished or cancelled request frees
 it at once, and requests wait in a queue while every slot is taken. With ``prefix_caching`` a freed
 slot's entries stay valid until the slot is taken again, and a request whose prompt starts with
-what a free slot holds takes that slot and prefills only the rest (runtime/prefix_cache.py).
+what a free slot holds takes that slot and prefills only the rest, or copies what a request in
+flight has computed of it (runtime/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ class Engine:
                 other = (rows & ~stops).any(-1)
                 rows[other] &= ~stops
                 allowed = torch.cat([rows, allowed[early:]])
-            return logits.float().masked_fill(~allowed, float("-inf"))
+            return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
         if early > 0 and r.stop_ids:
             logits = logits.float().clone()
             logits[:early, list(r.stop_ids)] = float("-inf")
