@@ -301,7 +301,8 @@ class Engine:
                 continue
             first, _ = sample_from_logits(self._law(r, out.logits[at:at + 1])[0], r.params, r.generator)
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
-            r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features)
+            r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features,
+                                 grammar=r.grammar)
             at += 1
             if self._emit(r, [int(first)], out.logits[at - 1:at]):
                 ended.append(r)

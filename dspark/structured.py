@@ -109,6 +109,21 @@ class GrammarState:
         # nothing allowed (the grammar has ended): only the end, so that the request can stop
         return mask if mask.any() else self.end
 
+    def allowed_now(self) -> torch.Tensor:
+        """[V] bool: the tokens allowed after the output and what has been pushed."""
+        return self._mask()
+
+    def push(self, token: int) -> bool:
+        """Advance over a drafted token (False, and nothing changed, if the grammar forbids it or has
+        ended); ``pop`` undoes pushes."""
+        if self.matcher.is_stopped() or not self._mask()[token]:
+            return False
+        return self.matcher.consume_token(token)
+
+    def pop(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
     def masks(self, drafts: list[int]) -> torch.Tensor:
         """[len(drafts) + 1, V] bool: the tokens allowed at row k, after the output and drafts[:k].
         Rows after a forbidden draft repeat the last real one (verification stops before them)."""

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dspark.drafters import DraftLMDrafter
+from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.errors import UsageError
 from dspark.runtime.model import Decoder
@@ -19,6 +20,7 @@ from dspark.sampling import SamplingParams, probs_from_logits
 from dspark.structured import GrammarSpec, grammar_state
 
 from _lossless import CyclingPolicy, chi2_pvalue
+from _tiny import tiny_drafter_model, tiny_target
 
 EOS = 4
 REGEX = "(a|bc|d)+"      # after b only c; the end only where the text is complete
@@ -149,3 +151,39 @@ def test_choice_and_json_schema_compile_and_bad_constraints_are_clear():
                          (GrammarSpec("yaml", "x"), "unknown structured output")]:
         with pytest.raises(UsageError, match=needle):
             spec.compile()
+
+
+def test_a_trained_drafter_drafts_only_what_the_grammar_allows_and_keeps_the_law():
+    """The DSpark drafter samples each drafted position from the tokens the grammar allows after the
+    drafts before it (the proposal's probabilities are that masked law): no draft is ever forbidden,
+    the matcher is left where it was, and the output still fits the restricted law."""
+    decoder = tiny_target(scale=3.0)
+    target = _target(decoder)
+    grammar = GrammarSpec("regex", REGEX).compile()
+    drafter = DSparkDrafter(tiny_drafter_model(decoder, scale=2.0), decoder)
+    seen = {"blocks": 0, "forbidden": 0}
+    real = drafter.propose
+
+    def spy(contexts):
+        before = [c.grammar.masks([])[0].clone() for c in contexts]
+        out = real(contexts)
+        for c, p, b in zip(contexts, out, before):
+            assert torch.equal(c.grammar.masks([])[0], b)          # pushes undone
+            rows = c.grammar.masks(p.tokens.tolist())
+            seen["blocks"] += len(p) > 0
+            seen["forbidden"] += sum(not rows[k][t] for k, t in enumerate(p.tokens.tolist()))
+            if p.probs is not None and len(p):
+                assert float(p.probs[0][~rows[0]].sum()) == 0.0      # drawn from the masked law
+        return out
+    drafter.propose = spy
+    prompt, n_new, draws = [1, 3, 2], 5, 2000
+    engine = Engine(decoder, drafter, CyclingPolicy(), max_requests=16, max_len=24, block_size=3, eos_ids=(EOS,))
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new,
+                               grammar=grammar_state(target, grammar)) for s in range(draws)]
+    engine.run()
+    assert seen["blocks"] > 500 and seen["forbidden"] == 0
+    assert sum(r.stats.num_accepted_tokens for r in reqs) > 200
+    counts = {}
+    for r in reqs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert chi2_pvalue(counts, _constrained_law(target, grammar, prompt, n_new, SamplingParams(temperature=1.0))) > 1e-3

@@ -48,6 +48,9 @@ class DraftContext:
     # target features ([n, len(feature_layers) * d]) of the positions verified since the last round,
     # appended by the engine for drafters that declare ``feature_layers``; the drafter consumes them
     features: list = field(default_factory=list)
+    # the request's structured.GrammarState, or None: a drafter may sample only what the grammar allows
+    # (allowed_now / push / pop, undone before it returns); the proposal stays exactly its drawing law
+    grammar: Any = None
 
 
 class Drafter:

@@ -323,15 +323,39 @@ class DSparkDrafter(Drafter):
         toks = torch.empty(R, steps + 1, dtype=torch.long, device=dev)   # draft-vocabulary indices
         toks[:, 0] = prev                                            # column 0: the anchor
         pd = torch.empty(R, steps, vocab.numel(), device=dev)         # draft-vocabulary probabilities
+        # structured outputs: a request with a grammar samples each position from the tokens the grammar
+        # allows after its drafts so far; where none of the draft vocabulary is allowed its block ends
+        grammars = [(i, c.grammar) for i, c in enumerate(active) if c.grammar is not None]
+        pushed = {i: 0 for i, _ in grammars}
+        vocab_cpu = vocab.cpu() if grammars else None
+        ends = {}
         for k in range(steps):
             logits = U[:, k]
             if m.head is not None:
                 bias, _, state = m.head.step(h[:, k], toks[:, k], state)
                 logits = logits + bias.float()
+            if grammars:
+                logits = logits.clone()
+                for i, g in grammars:
+                    if i in ends:
+                        continue
+                    ok = g.allowed_now()[vocab_cpu].to(dev)
+                    if ok.any():
+                        logits[i] = logits[i].masked_fill(~ok, float("-inf"))
+                    else:
+                        ends[i] = k
             for params, rows in groups:
                 p = probs_from_logits(logits[rows], params)
                 toks[rows, k + 1] = p.argmax(-1) if params.greedy else sample_rows(p, u=u[rows, k])
                 pd[rows, k] = p
+            for i, g in grammars:
+                if i not in ends:
+                    if g.push(int(vocab[toks[i, k + 1]])):
+                        pushed[i] += 1
+                    else:            # the grammar has ended: nothing after this token is drafted
+                        ends[i] = k + 1
+        for i, g in grammars:
+            g.pop(pushed[i])
         confs = torch.ones(R, steps, device=dev)
         if m.confidence is not None:   # c_k from h_k and the token before it: one pass after sampling
             e = m.head.w1(toks[:, :steps]) if m.head is not None else None
@@ -341,6 +365,6 @@ class DSparkDrafter(Drafter):
         probs[:, :, vocab] = pd
         toks = vocab[toks]
         for i, c in enumerate(active):
-            n = min(c.num_draft, steps)
+            n = min(c.num_draft, steps, ends.get(i, steps))
             results[id(c)] = Proposal(toks[i, :n], probs[i, :n], confs[i, :n])   # views: fresh tensors
         return [results[id(c)] for c in contexts]
