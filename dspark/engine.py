@@ -355,11 +355,17 @@ class Engine:
         lengths = self.policy.verify_lengths(decode, proposals)
         self.policy_seconds += time.perf_counter() - t0
         out = [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
-        for i, r in enumerate(decode):   # jump-forward: what a grammar forces, unless the block starts with it
-            if r.grammar is not None:
-                forced = r.grammar.forced(min(self.block_size, r.max_new_tokens - len(r.output_ids) - 1))
-                if forced and out[i].tokens[:len(forced)].tolist() != forced:
-                    out[i] = Proposal(torch.tensor(forced, dtype=torch.long), free=True, forced=True)
+        for i, r in enumerate(decode):
+            if r.grammar is None:
+                continue
+            # jump-forward: what the grammar forces, unless the block starts with it
+            forced = r.grammar.forced(min(self.block_size, r.max_new_tokens - len(r.output_ids) - 1))
+            if forced and out[i].tokens[:len(forced)].tolist() != forced:
+                out[i] = Proposal(torch.tensor(forced, dtype=torch.long), free=True, forced=True)
+            elif len(out[i]) and out[i].probs is None:
+                # point masses (a lookup's) end before their first forbidden token: verified, it would be
+                # rejected for certain and the target's token drawn from its own law, as it is now
+                out[i] = out[i].truncate(r.grammar.valid_prefix(out[i].tokens.tolist()))
         return out
 
     def _emit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> bool:

@@ -109,6 +109,10 @@ class GrammarState:
         # nothing allowed (the grammar has ended): only the end, so that the request can stop
         return mask if mask.any() else self.end
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of these tokens the grammar allows in a row after the output."""
+        return 0 if self.matcher.is_stopped() else self.matcher.validate_tokens(tokens)
+
     def allowed_now(self) -> torch.Tensor:
         """[V] bool: the tokens allowed after the output and what has been pushed."""
         return self._mask()

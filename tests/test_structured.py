@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from dspark.drafters import DraftLMDrafter
+from dspark.drafters import DraftLMDrafter, NgramDrafter
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.errors import UsageError
@@ -107,11 +107,11 @@ def test_greedy_under_a_grammar_equals_plain_decoding_under_it():
     changed = accepted = 0
     for prompt in ([1, 2, 3], [0, 0, 1], [3]):
         runs = []
-        for drafter in (None, DraftLMDrafter(_tiny(3, scale=4.0), block_size=3)):
+        for drafter in (None, DraftLMDrafter(_tiny(3, scale=4.0), block_size=3), NgramDrafter(block_size=3)):
             e = Engine(target.model, drafter, max_requests=1, max_len=40, eos_ids=(EOS,))
             runs.append(e.add_request(prompt, greedy, 16, grammar=grammar_state(target, grammar)))
             e.run()
-        assert runs[1].output_ids == runs[0].output_ids
+        assert runs[1].output_ids == runs[0].output_ids == runs[2].output_ids
         accepted += runs[1].stats.num_accepted_tokens + runs[1].stats.num_forced_tokens
         e = Engine(target.model, None, max_requests=1, max_len=40, eos_ids=(EOS,))
         free = e.add_request(prompt, greedy, 16)
@@ -187,3 +187,27 @@ def test_a_trained_drafter_drafts_only_what_the_grammar_allows_and_keeps_the_law
     for r in reqs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
     assert chi2_pvalue(counts, _constrained_law(target, grammar, prompt, n_new, SamplingParams(temperature=1.0))) > 1e-3
+
+
+def test_lookup_drafts_end_before_their_first_forbidden_token():
+    """A point-mass proposal is cut where the grammar forbids it (its verification would reject it for
+    certain and draw from the target's own law, as the cut does): no verified lookup draft is forbidden."""
+    decoder = _tiny(0)
+    target = _target(decoder)
+    grammar = GrammarSpec("regex", "(ab|c)+d").compile()
+    engine = Engine(decoder, NgramDrafter(block_size=4), max_requests=4, max_len=40, eos_ids=(EOS,))
+    real, seen = engine._law, {"drafts": 0, "forbidden": 0}
+
+    def spy(r, logits, drafts=None):
+        if drafts is not None and len(drafts) and r.grammar is not None:
+            rows = r.grammar.masks(drafts.tolist())
+            seen["drafts"] += len(drafts)
+            seen["forbidden"] += sum(not rows[k][t] for k, t in enumerate(drafts.tolist()))
+        return real(r, logits, drafts)
+    engine._law = spy
+    # prompts full of the pattern's text, so that the lookup finds (and copies) continuations
+    for s in range(40):
+        engine.add_request([0, 1, 2, 0, 1, 3, 2, 0, 1, 2, 2, 3], SamplingParams(temperature=1.0, seed=s), 12,
+                           grammar=grammar_state(target, grammar))
+    engine.run()
+    assert seen["drafts"] > 50 and seen["forbidden"] == 0
