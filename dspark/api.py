@@ -101,9 +101,9 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     seed, prompt i samples with seed + i (as the server's choices do). ``policy``: how many drafted
     tokens each request verifies per step: "auto" (the load-aware prefix policy where `dspark
     profile` has measured a cost table for this target and drafter, else the whole block, as
-    `dspark serve` does) or any policy name. ``prefix_caching``: a prompt admitted after another
-    finished reuses the cached entries of their common start (as `dspark serve`; the output's law is
-    the same). ``structured``: every output matches it (as for generate). Results come in the order
+    `dspark serve` does) or any policy name. ``prefix_caching``: a prompt reuses the cached entries of
+    its start that an earlier or running prompt computed (as `dspark serve`; the output's law is the
+    same). ``structured``: every output matches it (as for generate). Results come in the order
     of ``prompts``."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise UsageError("prompts must be a non-empty list of strings")

@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per request, prompt and output together (the KV cache holds "
                          "max-requests x max-len tokens)")
     sv.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                    help="a prompt that starts like what a free cache slot holds (a shared system prompt, a "
-                         "conversation's earlier turns) prefills only the rest (default: on)")
+                    help="a prompt that starts like what a cache slot holds (a shared system prompt, a "
+                         "conversation's earlier turns, the n choices of one prompt) prefills only the rest "
+                         "(default: on)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target's)")
     sv.add_argument("--api-key", default=None,
                     help="require `Authorization: Bearer KEY` on /v1 routes (default: $DSPARK_API_KEY, else none)")

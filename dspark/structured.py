@@ -10,10 +10,12 @@ With speculative decoding, verification row k follows the output plus the first 
 mask is the grammar's state after those drafts: the matcher consumes the drafts to build the rows'
 masks and rolls back. A draft the grammar forbids has probability 0 under the law and is rejected
 with certainty (the rows after it are never used). So the output follows the constrained law
-exactly, whatever drafted it; drafters are not told about the grammar. Where the grammar forces
-the next tokens (jump-forward decoding), the engine proposes those instead of the drafter's block
-unless the block starts with them: a proposal chosen from the grammar's state alone, verified as
-any other.
+exactly, whatever drafted it. A drafter may still use the grammar to draft better: the DSpark
+drafter samples each drafted position from what the grammar allows after its drafts so far
+(``push`` / ``pop``), and the engine cuts point-mass proposals before their first forbidden token.
+Where the grammar forces the next tokens (jump-forward decoding), the engine proposes those
+instead of the drafter's block unless the block starts with them: a proposal chosen from the
+grammar's state alone, verified as any other.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class GrammarState:
         self.end = torch.zeros(vocab_size, dtype=torch.bool)
         self.end[list(end_ids)] = True
 
-    def _mask(self) -> torch.Tensor:
+    def allowed_now(self) -> torch.Tensor:
+        """[V] bool: the tokens allowed after the output and what has been pushed."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         mask = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
         if mask.shape[0] < self.vocab_size:          # a tokenizer shorter than the model's vocabulary
@@ -113,14 +116,12 @@ class GrammarState:
         """How many of these tokens the grammar allows in a row after the output."""
         return 0 if self.matcher.is_stopped() else self.matcher.validate_tokens(tokens)
 
-    def allowed_now(self) -> torch.Tensor:
-        """[V] bool: the tokens allowed after the output and what has been pushed."""
-        return self._mask()
-
-    def push(self, token: int) -> bool:
+    def push(self, token: int, allowed: torch.Tensor | None = None) -> bool:
         """Advance over a drafted token (False, and nothing changed, if the grammar forbids it or has
-        ended); ``pop`` undoes pushes."""
-        if self.matcher.is_stopped() or not self._mask()[token]:
+        ended); ``allowed``: allowed_now() if the caller has it already. ``pop`` undoes pushes."""
+        if self.matcher.is_stopped():
+            return False
+        if not (self.allowed_now() if allowed is None else allowed)[token]:
             return False
         return self.matcher.consume_token(token)
 
@@ -133,13 +134,11 @@ class GrammarState:
         Rows after a forbidden draft repeat the last real one (verification stops before them)."""
         rows, taken = [], 0
         for k in range(len(drafts) + 1):
-            rows.append(self._mask())
-            if (k == len(drafts) or not rows[-1][drafts[k]] or self.matcher.is_stopped()
-                    or not self.matcher.consume_token(drafts[k])):
+            rows.append(self.allowed_now())
+            if k == len(drafts) or not self.push(drafts[k], rows[-1]):
                 break
             taken += 1
-        if taken:
-            self.matcher.rollback(taken)
+        self.pop(taken)
         rows.extend([rows[-1]] * (len(drafts) + 1 - len(rows)))
         return torch.stack(rows)
 

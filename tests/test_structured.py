@@ -187,6 +187,15 @@ def test_a_trained_drafter_drafts_only_what_the_grammar_allows_and_keeps_the_law
     for r in reqs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
     assert chi2_pvalue(counts, _constrained_law(target, grammar, prompt, n_new, SamplingParams(temperature=1.0))) > 1e-3
+    # greedy through it equals plain decoding under the same grammar
+    greedy = SamplingParams(temperature=0)
+    for p in ([1, 2, 3], [0, 0, 1], [3]):
+        outs = []
+        for d in (None, DSparkDrafter(tiny_drafter_model(decoder, scale=2.0), decoder)):
+            e = Engine(decoder, d, max_requests=1, max_len=40, block_size=3 if d else None, eos_ids=(EOS,))
+            outs.append(e.add_request(p, greedy, 16, grammar=grammar_state(target, grammar)))
+            e.run()
+        assert outs[1].output_ids == outs[0].output_ids
 
 
 def test_lookup_drafts_end_before_their_first_forbidden_token():

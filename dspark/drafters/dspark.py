@@ -329,6 +329,7 @@ class DSparkDrafter(Drafter):
         pushed = {i: 0 for i, _ in grammars}
         vocab_cpu = vocab.cpu() if grammars else None
         ends = {}
+        allowed = {}        # the full-vocabulary mask each grammar request sampled position k from
         for k in range(steps):
             logits = U[:, k]
             if m.head is not None:
@@ -339,7 +340,8 @@ class DSparkDrafter(Drafter):
                 for i, g in grammars:
                     if i in ends:
                         continue
-                    ok = g.allowed_now()[vocab_cpu].to(dev)
+                    allowed[i] = g.allowed_now()
+                    ok = allowed[i][vocab_cpu].to(dev)
                     if ok.any():
                         logits[i] = logits[i].masked_fill(~ok, float("-inf"))
                     else:
@@ -350,7 +352,7 @@ class DSparkDrafter(Drafter):
                 pd[rows, k] = p
             for i, g in grammars:
                 if i not in ends:
-                    if g.push(int(vocab[toks[i, k + 1]])):
+                    if g.push(int(vocab[toks[i, k + 1]]), allowed[i]):
                         pushed[i] += 1
                     else:            # the grammar has ended: nothing after this token is drafted
                         ends[i] = k + 1

@@ -1,5 +1,5 @@
-"""Prefix caching: a new request whose prompt starts like what a free cache slot still holds takes
-that slot and prefills only the rest.
+"""Prefix caching: a new request whose prompt starts like what a cache slot already holds prefills
+only the rest (taking that slot if it is free, copying its entries if a request in flight owns it).
 
 A finished request leaves its keys and values in its slot (freeing a slot erases nothing). This
 index remembers which tokens those entries are, and, for drafters that condition on target features,
@@ -59,7 +59,7 @@ class PrefixCache:
                 best = (n, lowest, slot)
             if prefilling is not None:
                 pending = max(pending, _common(prefilling[:len(p)], p))
-        if pending >= max(best[0], 0) + self.min_match:
+        if pending >= best[0] + self.min_match:
             return None
         n, slot, source = best if best[0] >= self.min_match else (0, lowest, None)
         self.queries += len(prompt)
