@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -86,7 +87,7 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
     grammar = None if structured is None else grammar_state(tgt, _spec(structured).compile())
     new, stats = generate_ids(tgt.model, ids, sampling, max_new_tokens, d, num_draft=num_draft,
                               eos_ids=tgt.eos_token_ids, stream=stream, grammar=grammar)
-    text = tgt.tokenizer.decode(new, skip_special_tokens=True)
+    text = cast(str, tgt.tokenizer.decode(new, skip_special_tokens=True))   # one sequence: one string
     return GenerationResult(text, new, len(ids), d.name, stats)
 
 
@@ -123,5 +124,6 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
         reqs.append(engine.add_request(p, params, max_new_tokens,
                                        grammar=None if grammar is None else grammar_state(tgt, grammar)))
     engine.run()
-    return [GenerationResult(tgt.tokenizer.decode(r.output_ids, skip_special_tokens=True), r.output_ids,
+    # decode of one sequence (a list of ints) is one string
+    return [GenerationResult(cast(str, tgt.tokenizer.decode(r.output_ids, skip_special_tokens=True)), r.output_ids,
                              len(p), d.name, r.stats) for r, p in zip(reqs, ids)]

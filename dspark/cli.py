@@ -299,6 +299,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
+        assert text is not None   # set above when not args.json
         sys.stdout.write(text.finish() + "\n")
         line = (f"[{res.drafter}] {res.num_tokens} tokens in {res.num_rounds} rounds, "
                 f"accept length {res.accept_length:.2f}, {res.tokens_per_second:.1f} tokens/s")

@@ -24,7 +24,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
@@ -36,6 +36,9 @@ from .runtime.prefix_cache import PrefixCache
 from .sampling import SamplingParams, penalised_logits, sample_from_logits, token_logprobs
 from .scheduling.policies import FixedPolicy, Policy
 from .verify import verify
+
+if TYPE_CHECKING:
+    from .structured import GrammarState
 
 _ids = itertools.count()
 
@@ -50,7 +53,7 @@ class Request:
     logprobs: int | None = None           # None, or how many most likely tokens to record per position
     prompt_logprobs: int | None = None    # the same for the prompt's tokens (from the second on)
     min_tokens: int = 0                   # no stop token among the first this many output tokens
-    grammar: object = None                # structured.GrammarState: the tokens allowed next, or None
+    grammar: GrammarState | None = None   # structured.GrammarState: the tokens allowed next, or None
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
     status: str = "waiting"               # waiting | running | finished | cancelled
@@ -179,6 +182,7 @@ class Engine:
         flight; the entries past the output (drafts after a stop) are not the output's."""
         out = []
         for r in self.running:
+            assert r.slot is not None   # a running request holds a slot
             n = self.cache.lengths[r.slot]
             seq = r.prompt_ids[:n] if n <= len(r.prompt_ids) else (r.prompt_ids + r.output_ids)[:n]
             out.append((r.slot, seq, r.prompt_ids if r.ctx is None else None))
@@ -226,6 +230,7 @@ class Engine:
         width = max((len(p) for p in proposals), default=0)
         seg_len, seg_start = [], []
         for r, p in zip(decode, proposals):
+            assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
             n = len(p) + 1
             seg_start.append(len(ids))
             rows.extend(range(len(ids), len(ids) + n))
@@ -241,6 +246,7 @@ class Engine:
         for r in prefill:
             if budget <= 0:
                 break
+            assert r.slot is not None   # a running request holds a slot
             n = min(budget, len(r.prompt_ids) - r.prefilled)
             start = len(ids)
             ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
@@ -264,10 +270,13 @@ class Engine:
             for r, start, n, _, _ in chunks:
                 r.prompt_features.append(feats[start:start + n])
                 if self.prefix is not None:
+                    assert r.slot is not None   # a running request holds a slot
                     self.prefix.store_features(r.slot, r.prefilled - n, feats[start:start + n])
         ended = []
         at = 0
         for r, p, sent, start in zip(decode, proposals, seg_len, seg_start):
+            assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
+            assert out.logits is not None   # every decoding request has logits rows
             l = len(p)
             logits = out.logits[at:at + l + 1]     # raw: what log probabilities report
             at += l + 1
@@ -293,12 +302,15 @@ class Engine:
                 ended.append(r)
         for r, _, n, scored, completes in chunks:
             if scored:      # row j of the chunk predicts the prompt's next token
+                # scored rows: asked for, and only with prompt_logprobs
+                assert out.logits is not None and r.prompt_logprobs is not None
                 first_pos = r.prefilled - n + 1
                 r.prompt_logprobs_out.extend(token_logprobs(
                     out.logits[at:at + scored], r.prompt_ids[first_pos:first_pos + scored], r.prompt_logprobs))
                 at += scored
             if not completes:
                 continue
+            assert out.logits is not None   # a completed prompt's last row was asked for
             first, _ = sample_from_logits(self._law(r, out.logits[at:at + 1])[0], r.params, r.generator)
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features,
@@ -336,21 +348,22 @@ class Engine:
         proposals = [Proposal.empty() for _ in decode]
         if not decode:
             return proposals
+        ctxs = cast(list[DraftContext], [r.ctx for r in decode])   # decoding requests all have a context
         if self.policy.uses_free_drafts:   # what each request could draft at no cost
-            for r, n in zip(decode, self.drafter.free_lengths([r.ctx for r in decode])):
-                r.ctx.state["_free"] = n
+            for c, n in zip(ctxs, self.drafter.free_lengths(ctxs)):
+                c.state["_free"] = n
         t0 = time.perf_counter()
         want = self.policy.draft_lengths(decode, self.block_size)
         self.policy_seconds += time.perf_counter() - t0
         active = []
         for i, (r, w) in enumerate(zip(decode, want)):
-            r.ctx.num_draft = max(0, min(w, r.max_new_tokens - len(r.output_ids) - 1))
-            if r.ctx.num_draft > 0:
+            ctxs[i].num_draft = max(0, min(w, r.max_new_tokens - len(r.output_ids) - 1))
+            if ctxs[i].num_draft > 0:
                 active.append(i)
         if active:
-            got = self.drafter.propose([decode[i].ctx for i in active])
+            got = self.drafter.propose([ctxs[i] for i in active])
             for i, p in zip(active, got):
-                proposals[i] = p.truncate(decode[i].ctx.num_draft)
+                proposals[i] = p.truncate(ctxs[i].num_draft)
         t0 = time.perf_counter()
         lengths = self.policy.verify_lengths(decode, proposals)
         self.policy_seconds += time.perf_counter() - t0
@@ -382,6 +395,7 @@ class Engine:
         if r.grammar is not None and tokens:
             r.grammar.advance(tokens)
         r.output_ids.extend(tokens)
+        assert r.ctx is not None   # emitting: its prompt is prefilled
         r.ctx.tokens.extend(tokens)
         if r.on_tokens and tokens:
             r.on_tokens(tokens)

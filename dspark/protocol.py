@@ -15,6 +15,7 @@ truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``ech
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -255,7 +256,7 @@ class TextStream:
     ``kept`` says how many ids of the last ``add`` the output has (those up to the one that completed
     the stop string: the tokens that count, and whose log probabilities are returned)."""
 
-    def __init__(self, tokenizer, stops: list[str] = ()):
+    def __init__(self, tokenizer, stops: Sequence[str] = ()):
         self.tok = tokenizer
         self.stops = list(stops)
         self.ids: list[int] = []

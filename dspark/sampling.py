@@ -146,6 +146,7 @@ def sample_rows(probs: torch.Tensor, generators: list | None = None, u: torch.Te
     samples in one vectorised pass and each request's tokens still depend only on its own random
     stream."""
     if u is None:
+        assert generators is not None, "sample_rows needs the rows' generators or their uniforms u"
         u = uniforms(generators, 1, probs.device)[:, 0]
     return _inverse_cdf(probs, u)
 

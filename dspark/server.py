@@ -27,8 +27,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +43,10 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        chat_messages)
 from .sampling import SamplingParams
 from .structured import grammar_state
+
+if TYPE_CHECKING:
+    from .engine import Request as EngineRequest   # fastapi's Request is the HTTP one here
+    from .structured import GrammarState
 
 log = logging.getLogger("dspark.server")
 
@@ -109,12 +115,12 @@ class Job:
     params: SamplingParams
     max_new_tokens: int
     stop_ids: frozenset | None
-    sink: object
+    sink: Callable[[tuple], None]
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0
-    grammar: object = None          # structured.GrammarState of this choice, or None
-    request: object = None
+    grammar: GrammarState | None = None     # structured.GrammarState of this choice, or None
+    request: EngineRequest | None = None    # the engine's request, once added
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
 
@@ -135,7 +141,7 @@ class EngineWorker:
         self._wake = threading.Condition()
         self._closed = False
         self._jobs: dict[int, Job] = {}
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="dspark-engine", daemon=True)
@@ -191,6 +197,7 @@ class EngineWorker:
             except Exception as e:       # fail what is in flight, keep serving
                 log.error("engine step failed: %s", traceback.format_exc())
                 for job in list(self._jobs.values()):
+                    assert job.request is not None   # a job in _jobs was added to the engine
                     eng.cancel(job.request)
                     self._jobs.pop(job.request.id, None)
                     job.sink(("error", f"engine failure: {type(e).__name__}: {e}"))
@@ -200,6 +207,7 @@ class EngineWorker:
                 self.metrics.prefix_counted(eng.prefix)
             for r in ended:
                 self.metrics.request_ended(r)
+                assert r.finish_reason is not None   # set when it ended
                 self._end(self._jobs[r.id], r.finish_reason)
             self.metrics.running.set(len(eng.running))
             self.metrics.waiting.set(len(eng.waiting))
@@ -224,6 +232,7 @@ class EngineWorker:
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
 
     def _end(self, job: Job, reason: str) -> None:
+        assert job.request is not None   # only a job the engine took ends
         self._jobs.pop(job.request.id, None)
         self.metrics.latency.observe(time.perf_counter() - job.t_submit)
         job.sink(("end", reason))
@@ -234,7 +243,7 @@ class _Choice:
     index: int
     prompt_tokens: int
     text: TextStream
-    job: Job | None = None
+    job: Job
     tokens: int = 0
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)   # (token, log probability, top) of the output so far
@@ -330,14 +339,14 @@ class Server:
                                             repetition_penalty=body.repetition_penalty, logit_bias=bias)
                 except DsparkError as e:
                     raise ApiError(400, str(e)) from None
-                ch = _Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop))
-                choices.append(ch)
+                index = pi * body.n + j
 
-                def sink(ev, i=ch.index):
+                def sink(ev, i=index):
                     loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
                 scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
-                ch.job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored, body.min_tokens,
-                             None if grammar is None else grammar_state(self.target, grammar))
+                job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored, body.min_tokens,
+                          None if grammar is None else grammar_state(self.target, grammar))
+                choices.append(_Choice(index, len(ids), TextStream(self.tokenizer, body.stop), job))
         for ch in choices:
             self.worker.submit(ch.job)
         return choices, queue
@@ -399,10 +408,11 @@ class Server:
         each token's character offset in the text. ``whole`` with ``echo``: the prompt's tokens
         first (the first one with none), as an evaluation harness scores a text."""
         if whole and ch.job.prompt_logprobs is not None:
+            assert ch.job.request is not None   # its tokens came: the engine took it
             ids = ch.job.prompt_ids
             entries = ([(ids[0], None, None)] + [(t, lp, top) for t, (lp, top) in
                                                  zip(ids[1:], ch.job.request.prompt_logprobs_out)] + entries)
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, lp, top in entries:
             text = self.token_text(token)
             out["tokens"].append(text)
@@ -428,7 +438,8 @@ class Server:
 
     @staticmethod
     def usage(choices: list[_Choice]) -> dict:
-        prompts, cached = {}, {}     # a prompt once, whatever n
+        prompts: dict[int, int] = {}     # a prompt once, whatever n
+        cached: dict[int, int] = {}
         for ch in choices:
             key = id(ch.job.prompt_ids)
             prompts[key] = ch.prompt_tokens
@@ -553,6 +564,7 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         if body.prompt is not None:
             ids = srv.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
         else:
+            assert body.messages is not None   # TokenizeRequest has exactly one of prompt, messages
             ids = srv.chat_ids(chat_messages(body.messages), body.add_generation_prompt, bool(body.add_special_tokens))
         strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.cache.max_len, "tokens": ids, "token_strs": strs}

@@ -41,7 +41,8 @@ def load_trained(folder: Path, target, *, block_size: int | None = None, name: s
                          f"{target.name} (vocab {tc.vocab_size}, hidden {tc.hidden_size})")
     if cfg.kind == "eagle3":
         from .eagle3 import Eagle3Drafter, Eagle3Model
-        drafter = Eagle3Drafter(Eagle3Model.load(folder), target.model, name=name, block_size=block_size)
+        drafter: DSparkDrafter = Eagle3Drafter(Eagle3Model.load(folder), target.model, name=name,
+                                               block_size=block_size)
     else:
         drafter = DSparkDrafter(DSparkModel.load(folder), target.model, name=name, block_size=block_size)
     drafter.folder = Path(folder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.kv_cache import KVCache
 from ..runtime.model import Decoder
 from ..sampling import sample_from_logits
 from .base import DraftContext, Drafter, Proposal
@@ -21,7 +22,7 @@ class DraftLMDrafter(Drafter):
         self.model = model
         self.block_size = block_size
         self.name = name
-        self.cache = None
+        self.cache: KVCache | None = None
 
     def prepare(self, max_requests: int, max_len: int) -> None:
         c = self.cache
@@ -34,6 +35,7 @@ class DraftLMDrafter(Drafter):
         if "slot" not in ctx.state:
             if self.cache is None:
                 self.prepare(1, max(1024, 2 * len(ctx.tokens)))
+            assert self.cache is not None   # prepare allocated it
             ctx.state["slot"] = self.cache.allocate()
             ctx.state["cached"] = []
         return ctx.state["slot"]
@@ -47,6 +49,7 @@ class DraftLMDrafter(Drafter):
         ids, segments = [], []
         for ctx in active:
             slot = self._slot(ctx)
+            assert self.cache is not None   # _slot allocated it
             cached = ctx.state["cached"]
             common = 0
             limit = min(len(cached), len(ctx.tokens) - 1)
@@ -57,10 +60,13 @@ class DraftLMDrafter(Drafter):
             ctx.state["cached"] = list(ctx.tokens)
             ids.extend(new)
             segments.append((slot, len(new)))
-        out = self.model(torch.tensor(ids, dtype=torch.long), segments, self.cache, logits_rows="last")
+        cache = self.cache
+        assert cache is not None   # _slot allocated it (active is not empty)
+        out = self.model(torch.tensor(ids, dtype=torch.long), segments, cache, logits_rows="last")
         logits = out.logits
-        drafted = [[] for _ in active]
-        probs = [[] for _ in active]
+        assert logits is not None   # logits_rows="last"
+        drafted: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
         steps = max(c.num_draft for c in active)
         for step in range(steps):
             feed, feed_seg, feed_idx = [], [], []
@@ -77,7 +83,8 @@ class DraftLMDrafter(Drafter):
                     ctx.state["cached"].append(int(tok))
             if not feed:
                 break
-            out = self.model(torch.tensor(feed, dtype=torch.long), feed_seg, self.cache)
+            out = self.model(torch.tensor(feed, dtype=torch.long), feed_seg, cache)
+            assert out.logits is not None   # logits_rows="all" (the default)
             logits = logits.clone()
             logits[torch.tensor(feed_idx)] = out.logits
         for i, ctx in enumerate(active):
@@ -87,4 +94,5 @@ class DraftLMDrafter(Drafter):
     def release(self, ctx: DraftContext) -> None:
         slot = ctx.state.pop("slot", None)
         if slot is not None:
+            assert self.cache is not None   # the slot came from it
             self.cache.free(slot)

@@ -18,6 +18,8 @@ call, as after any round without drafting.
 
 from __future__ import annotations
 
+from typing import cast
+
 from .base import DraftContext, Drafter, Proposal
 from .ngram import NgramDrafter
 
@@ -59,7 +61,7 @@ class HybridDrafter(Drafter):
             self.served[1] += len(rest)
             for i, p in zip(rest, self.model.propose([contexts[i] for i in rest])):
                 out[i] = p
-        return out
+        return cast(list[Proposal], out)   # the model filled every None (one proposal per context)
 
     def release(self, context: DraftContext) -> None:
         self.lookup.release(context)

@@ -96,6 +96,7 @@ def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 5, min_ngram: i
             start = _vote(tokens, starts, rule)
             return tokens[start:start + num_tokens], n
         if hist_len is not None and n >= history_min_ngram:
+            assert hist_ends is not None and history is not None   # set together with hist_len
             starts = hist_ends[hist_len >= n] + 1
             if starts.size:
                 start = _vote(history.tokens, starts, rule)

@@ -15,6 +15,7 @@ settings can be compared afterwards (``merge``, ``dspark eval --merge A.json B.j
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from ..api import encode_prompt
 from ..data import load_prompts
@@ -127,7 +128,7 @@ def merge(outs: list[dict]) -> dict:
     with the same settings and benchmarks); ratios are recomputed from the per-prompt counters."""
     if not outs:
         raise UsageError("nothing to merge")
-    settings = outs[0].get("settings")
+    settings: Any = outs[0].get("settings")   # a JSON object, checked against every output's below
     raw: dict[str, dict[str, list[dict]]] = {}
     results = []
     for o in outs:

@@ -24,7 +24,7 @@ import torch
 from ..api import encode_prompt
 from ..data import load_prompts
 from ..drafters import load_drafter
-from ..engine import Engine
+from ..engine import Engine, Request
 from ..runtime.loading import target_from_args
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
@@ -50,7 +50,9 @@ def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: 
                     cost_table=cost_table, prefix_caching=prefix_caching)
     drafter.reset()
     queue = list(prompts)
-    live, latency, clock = [], [], 0.0   # live: (request, clock at admission)
+    live: list[tuple[Request, float]] = []   # (request, clock at admission)
+    latency: list[tuple[int, float]] = []   # (output tokens, seconds) of each ended request
+    clock = 0.0
     tokens = rounds = drafted = accepted = 0
     while queue or live:
         t0 = time.perf_counter()

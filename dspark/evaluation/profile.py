@@ -116,8 +116,8 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
                 engine.step()  # warm-up at this shape
             # the verified lengths in turn, one step each per repeat: a slow spell of the machine
             # (it drifts by more than a verified token costs) then lands on every length alike
-            times = {v: [] for v in verified}
-            drafting = {v: [] for v in verified}
+            times: dict[int, list[float]] = {v: [] for v in verified}
+            drafting: dict[int, list[float]] = {v: [] for v in verified}
             for _ in range(repeats):
                 for v in verified:
                     engine.policy = FixedPolicy(v)
@@ -137,17 +137,18 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
             draft_ctx.append(draft_row)
         grid.append(per_ctx)
         draft_grid.append(draft_ctx)
-    row = context_row_seconds(target, drafter, prompts, requests=min(16, max(requests)),
-                              context=min(256, max(contexts)), temperature=temperature)
+    context_row = context_row_seconds(target, drafter, prompts, requests=min(16, max(requests)),
+                                      context=min(256, max(contexts)), temperature=temperature)
     return CostTable(table_key_for(target, drafter), list(requests), list(verified), list(contexts), grid,
                      machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads", draft=draft_grid,
-                     context_row=row)
+                     context_row=context_row)
 
 
 def plot(table: CostTable, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    assert table.draft is not None, "plot needs the drafter's timings (profile measures them)"
     fig, axes = plt.subplots(1, len(table.contexts), figsize=(5 * len(table.contexts), 4), squeeze=False)
     for ax, ctx, grid, draft in zip(axes[0], table.contexts, table.seconds, table.draft):
         for R, row, drow in zip(table.requests, grid, draft):

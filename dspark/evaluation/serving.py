@@ -33,6 +33,8 @@ def _stream_one(base_url: str, api_key: str | None, body: dict) -> tuple[int, fl
     A client this thin (no per-chunk objects, as vLLM's serving benchmark) leaves the machine to the
     server: the `openai` client's per-chunk parsing took a sixth of this 2-core VM at 16 clients."""
     url = urlsplit(base_url)
+    if url.hostname is None:
+        raise UsageError(f"no host in the endpoint URL {base_url!r} (e.g. http://127.0.0.1:8000/v1)")
     conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=600)
     headers = {"content-type": "application/json"}
     if api_key:

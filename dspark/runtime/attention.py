@@ -103,7 +103,8 @@ class SlotBatch:
             return None
         width, rows = hi - lo + 1, max(p[1] for p in picked)
         keys = max(start + n for _, n, start, _, _ in picked)
-        src, dst = [], []
+        src: list[int] = []
+        dst: list[int] = []
         qpos = torch.full((width, rows), -1, dtype=torch.long)
         for slot, n, start, row, _ in picked:
             b = slot - lo
@@ -144,8 +145,11 @@ class SlotBatch:
         q = q.view(B, n, Hkv, rep, hd).transpose(1, 2).reshape(B, Hkv, n * rep, hd)
         mask = self.mask(window, qs.dtype) if self.ragged or window is not None else None
         direct = self.dense is not None and n == 1     # [B, Hkv, rep, hd] is out's own layout
-        o = out[self.dense:self.dense + B].view(B, Hkv, rep, hd) if direct else \
-            torch.empty(B, Hkv, n * rep, hd, dtype=qs.dtype, device=qs.device)
+        if direct:
+            assert self.dense is not None   # implied by direct
+            o = out[self.dense:self.dense + B].view(B, Hkv, rep, hd)
+        else:
+            o = torch.empty(B, Hkv, n * rep, hd, dtype=qs.dtype, device=qs.device)
         step = max(1, self.MAX_SCORES // (Hkv * n * rep * S))
         for a in range(0, B, step):
             b = min(B, a + step)

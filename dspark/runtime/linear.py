@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,10 @@ def keeps_rows_alike(shape: tuple[int, int]) -> bool:
     return all(torch.equal(linear(x[:m], w, rows_alike=True), full[:m]) for m in (1, 2, 3, 5, 8, 17, 33))
 
 
+@overload
+def pack(w: Weight) -> Weight: ...
+@overload
+def pack(w: Weight | None) -> Weight | None: ...
 def pack(w: Weight | None) -> Weight | None:
     """``w`` packed for ``linear`` where that is available and keeps rows alike (bf16, CPU, 2-D),
     else ``w``."""
@@ -131,7 +136,10 @@ class FastLinear(torch.nn.Linear):
         return linear(x, self._packed, self.bias).contiguous()
 
 
-def serve_fast(module: torch.nn.Module) -> torch.nn.Module:
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def serve_fast(module: _M) -> _M:
     """Put every ``nn.Linear`` of a drafter built for training on the serving path in place (same
     weights and parameter names; only how few-row products run changes)."""
     for m in module.modules():

@@ -19,12 +19,16 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ModelLoadError, UsageError
 from .allocator import tune_allocator
 from .model import Decoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -160,10 +164,11 @@ def _convert_gguf(gguf: Path) -> Path:
                                                          dtype=torch.float32)
     except Exception as e:  # corrupt or unsupported file: one clear line
         raise ModelLoadError(f"cannot read GGUF file {str(gguf)!r}: {type(e).__name__}: {e}") from None
-    model.hf_quantizer = None
+    # transformers sets hf_quantizer and is_quantized on the instance; its model classes do not declare them
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.is_quantized = False
+    model.is_quantized = False  # type: ignore[assignment]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
@@ -208,7 +213,7 @@ class Target:
     name: str
     path: Path
     model: Decoder
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

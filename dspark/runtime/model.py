@@ -254,6 +254,7 @@ class Decoder:
             qk = qkv[:, :q_size + kv_size].view(n_total, H + Hkv, hd)
             v = qkv[:, q_size + kv_size:].view(n_total, Hkv, hd)
             if lw.q_norm is not None:
+                assert lw.k_norm is not None   # both set, or neither (the config's qk_norm)
                 qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, eps), rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
             cos, sin = rope_tables[lw.rope]
             qk = qk * cos + qk.roll(hd // 2, -1) * sin   # RoPE on queries and keys at once
@@ -277,6 +278,7 @@ class Decoder:
             attn = attn.to(x.dtype)
             attn = linear(attn, lw.o, lw.o_bias, alike)
             if lw.post_ff_norm is not None:  # Gemma 3 sandwich
+                assert lw.pre_ff_norm is not None   # both set, or neither (the config's sandwich_norm)
                 x = x + rms_norm(attn, lw.post_attn_norm, eps)
                 h = rms_norm(x, lw.pre_ff_norm, eps)
             else:

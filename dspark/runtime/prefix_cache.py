@@ -16,6 +16,8 @@ At least the prompt's last token is always run: its logits give the first output
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -30,7 +32,7 @@ class PrefixCache:
         self.hits = 0        # of which found in a slot
 
     def choose(self, free: list[int], prompt: list[int], reusable: bool = True,
-               running: list = ()) -> tuple[int, int, int | None] | None:
+               running: Sequence = ()) -> tuple[int, int, int | None] | None:
         """Where a new request goes: (slot, how many of the prompt's first tokens are there already,
         the slot to copy those entries from or None), or None to wait a step.
 

@@ -289,13 +289,15 @@ class _ProfiledPolicy(Policy):
         self.probe_far = 16.0
         self._idle = 0          # steps since the last probe, while drafting does not pay
         self._probes = 0        # probes so far (whose turn is next)
-        self._probed = None     # index of the request probed this step, or None
+        self._probed: int | None = None     # index of the request probed this step, or None
         self._recent = _Recent(recent)                # survival rows a_1..a_l of recent proposals
         self.probe_scale = 1.0                        # a probe's measured / table drafting part
         self._rows = 0                                # catch-up rows of this step's drafting requests
         self._version = 0                             # proposals seen (what the searches read)
         self._ratio = 1.0                             # best drafting tokens/s over plain, last search
-        self._no_key = self._key = None               # see _unchanged_since_no
+        # see _unchanged_since_no: (requests, proposals seen, rho, context column)
+        self._no_key: tuple[int, int, float, int] | None = None
+        self._key: tuple[int, int, float, int] | None = None
         # prefix: (key, steps used, proposals added then, depth, mean a_1 then) of a paying search
         self._held = None
         self._probe_m = [0.0, 0.0]
@@ -355,9 +357,13 @@ class _ProfiledPolicy(Policy):
         asks every step)."""
         sums, counts = self._recent.sums(cap)
         prof = self.profile.survivals(cap) if 0 in counts else None
-        out = []
+        out: list[float] = []
         for k in range(cap):
-            a = sums[k] / counts[k] if counts[k] else prof[k]
+            if counts[k]:
+                a = sums[k] / counts[k]
+            else:
+                assert prof is not None   # computed when some count is 0
+                a = prof[k]
             out.append(min(a, out[-1]) if out else a)
         return out
 
@@ -412,6 +418,7 @@ class _ProfiledPolicy(Policy):
 
     def _probe_lengths(self, proposals) -> list[int]:
         """A probe token is verified whatever its confidence (a decision fixed before drafting)."""
+        assert self._probed is not None   # called on a probe's step only
         out = [0] * len(proposals)
         out[self._probed] = len(proposals[self._probed])
         return out
@@ -608,7 +615,7 @@ class AsyncPolicy(_ProfiledPolicy):
             return 0, []
         stale = self.history[0] if len(self.history) == self.history.maxlen else {}
         prof = self.expected_survivals(cap)
-        cands = []
+        cands: list[tuple[float, int]] = []
         for i, r in enumerate(requests):
             # requests that joined since, or drafted nothing then: the observed default profile
             # (so that a step with K = 0 does not lock the policy into plain decoding)

@@ -102,7 +102,7 @@ class CostTable:
     context_row: float = 0.0     # seconds the drafter takes per context row it catches up on (the
                                  # positions a request verified since it last drafted)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._memo: dict = {}    # schedulers ask for the same few points every step
         step = np.asarray(self.seconds, dtype=float)
         draft = np.zeros_like(step) if self.draft is None else np.asarray(self.draft, dtype=float)
@@ -235,7 +235,8 @@ class CostModel:
         self.window = window
         self.extra_scale = 1.0    # rho
         self.since_plain = 0      # observed steps since the last plain one
-        self._pending = None      # (plain part, drafting part) predicted for the step being run
+        # (plain part, drafting part) predicted for the step being run
+        self._pending: tuple[float, float] | None = None
         self._step = 0            # observed steps so far
         self._plain: deque = deque(maxlen=8)   # (step, measured / table) of recent plain steps
         self._extra = [0.0, 0.0]  # averages of (measured, predicted) drafting parts
