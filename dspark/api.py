@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import cast
 
-import torch
 
 from .drafters import Drafter, load_drafter
 from .errors import UsageError

@@ -27,12 +27,12 @@ class Proposal:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def truncate(self, n: int) -> "Proposal":
+    def truncate(self, n: int) -> Proposal:
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
                         None if self.confidences is None else self.confidences[:n], self.free, self.forced)
 
     @staticmethod
-    def empty() -> "Proposal":
+    def empty() -> Proposal:
         return Proposal(torch.empty(0, dtype=torch.long))
 
 

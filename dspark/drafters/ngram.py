@@ -36,7 +36,7 @@ class History:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def extended(self, seq, keep: int) -> "History":
+    def extended(self, seq, keep: int) -> History:
         joined = np.concatenate([self.tokens, np.asarray(list(seq) + [_SEPARATOR], dtype=np.int64)])
         return History(joined[-keep:])
 

@@ -195,7 +195,7 @@ def _local(args, messages, texts) -> list[dict]:
         for system in runs:
             if system == "server":
                 r = local_run(target, drafter, pname, c, max_len,
-                              lambda url: _closed_loop(url, target.name, None, messages, c, args.max_new_tokens,
+                              lambda url, c=c: _closed_loop(url, target.name, None, messages, c, args.max_new_tokens,
                                                        args.temperature, args.seed), args.prefix_caching)
             else:
                 # the engine's own loop seeds every request alike; the server's requests each get seed + i

@@ -89,7 +89,7 @@ class SlotBatch:
     MAX_SCORES = 1 << 24
 
     @classmethod
-    def of(cls, segments, starts, row_starts, device, causal: bool = True) -> "SlotBatch | None":
+    def of(cls, segments, starts, row_starts, device, causal: bool = True) -> SlotBatch | None:
         """The batch of the segments of at most MAX_ROWS rows, or None when fewer than two qualify or
         their slots are spread over more than twice their number. ``causal=False``: every row of a
         segment sees all of its keys (a drafter's non-causal block)."""

@@ -47,7 +47,7 @@ class DecoderConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, hf_config) -> "DecoderConfig":
+    def from_hf(cls, hf_config) -> DecoderConfig:
         hf_config = getattr(hf_config, "text_config", None) or hf_config
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in FAMILIES:

@@ -92,7 +92,7 @@ class DecodeRows:
     out: torch.Tensor
 
     @staticmethod
-    def of(segments, H: int, Hkv: int, hd: int, dtype, device) -> "DecodeRows | None":
+    def of(segments, H: int, Hkv: int, hd: int, dtype, device) -> DecodeRows | None:
         ends = torch.tensor([0] + [n for _, n in segments]).cumsum(0)
         rows = ends[1:][torch.tensor([n == 1 for _, n in segments])] - 1
         if not len(rows):
@@ -101,7 +101,7 @@ class DecodeRows:
         return DecodeRows(rows.to(device), q, torch.empty_like(q))
 
 
-def attend_all(qs, kc, vc, segments, starts, masks, window, out, dec: "DecodeRows | None") -> None:
+def attend_all(qs, kc, vc, segments, starts, masks, window, out, dec: DecodeRows | None) -> None:
     """Every segment's attention against its own whole slot, into out [n_total, H * hd]."""
     Hkv, hd = kc.shape[1], kc.shape[3]
     rep = qs.shape[1] // Hkv

@@ -234,7 +234,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 _LOADED: dict = {}
 
 
-def target_from_args(args) -> "Target":
+def target_from_args(args) -> Target:
     """``load_target`` from a command's model flags (--target, --dtype, --device, --batch-invariant)."""
     return load_target(args.target, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
 

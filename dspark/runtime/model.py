@@ -42,7 +42,7 @@ class LayerWeights:
     rope: str = "default"                     # which RoPE table this layer uses
     window: int | None = None                 # sliding-window length, None = full attention
 
-    def packed(self) -> "LayerWeights":
+    def packed(self) -> LayerWeights:
         """The same layer with its four products' weights packed (runtime/linear.py)."""
         from dataclasses import replace
         new = {name: pack(getattr(self, name)) for name in ("qkv", "o", "gate_up", "down")}
@@ -111,7 +111,7 @@ class Decoder:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype = torch.float32, device="cpu") -> "Decoder":
+    def from_hf(cls, hf_model, dtype: torch.dtype = torch.float32, device="cpu") -> Decoder:
         """Take the weights of a loaded transformers causal LM (Llama, Qwen2, Qwen3, Gemma 3)."""
         cfg = DecoderConfig.from_hf(hf_model.config)
         base = hf_model.model
@@ -167,7 +167,7 @@ class Decoder:
         lm_head = embed if head is base.embed_tokens.weight else t(head)
         return cls(cfg, embed, layers, norm(base.norm), lm_head, ropes)
 
-    def truncated(self, num_layers: int) -> "Decoder":
+    def truncated(self, num_layers: int) -> Decoder:
         """The first ``num_layers`` layers with the same final norm and LM head, sharing weights
         (an early-exit draft LM that costs no memory)."""
         if not 1 <= num_layers <= len(self.layers):

@@ -181,7 +181,7 @@ class CostTable:
         return path
 
     @classmethod
-    def load(cls, path: Path) -> "CostTable":
+    def load(cls, path: Path) -> CostTable:
         try:
             d = json.loads(Path(path).read_text())
             t = cls(d["key"], d["requests"], d["verified"], d["contexts"], d["seconds"], d.get("machine", ""),
@@ -198,7 +198,7 @@ class CostTable:
         return t
 
     @classmethod
-    def find(cls, key: str) -> "CostTable | None":
+    def find(cls, key: str) -> CostTable | None:
         path = table_path(key)
         if not path.is_file():
             log.warning("no cost table for %s: run `dspark profile` (policies that weigh cost fall "
