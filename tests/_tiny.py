@@ -24,18 +24,18 @@ def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB) -> Decode
     return Decoder.from_hf(m)
 
 
-def tiny_config(kind="dspark", head="vanilla", layers=1, block=3, vocab=VOCAB) -> DrafterConfig:
+def tiny_config(kind="dspark", head="vanilla", layers=1, block=3, vocab=VOCAB, qk_norm=False) -> DrafterConfig:
     return DrafterConfig(kind=kind, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, block_size=block,
                          target_layer_ids=[0, 2], mask_token_id=0, markov_rank=4, markov_head_type=head,
-                         vocab_size=vocab, target_hidden_size=32, rope_theta=10000.0)
+                         vocab_size=vocab, target_hidden_size=32, rope_theta=10000.0, qk_norm=qk_norm)
 
 
 def tiny_drafter_model(target: Decoder, kind="dspark", head="vanilla", draft_vocab=None, seed=1,
-                       scale=3.0, layers=1, block=3):
+                       scale=3.0, layers=1, block=3, qk_norm=False):
     torch.manual_seed(seed)
     cls = Eagle3Model if kind == "eagle3" else DSparkModel
-    model = cls(tiny_config(kind, head, layers, block), draft_vocab)
+    model = cls(tiny_config(kind, head, layers, block, qk_norm=qk_norm), draft_vocab)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:                      # norm weights, biases, the mask vector

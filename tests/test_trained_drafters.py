@@ -126,17 +126,21 @@ def test_unknown_trained_name_says_how_to_build_it():
         load_drafter("eagle3", as_target(target, "no-such-target"))
 
 
-@pytest.mark.parametrize("kind,head", [("dspark", "vanilla"), ("dspark", "rnn"), ("dflash", "none")])
-def test_serving_block_equals_the_training_forward(kind, head):
+@pytest.mark.parametrize("kind,head,qk_norm", [("dspark", "vanilla", False), ("dspark", "vanilla", True),
+                                               ("dspark", "rnn", False), ("dflash", "none", True)])
+def test_serving_block_equals_the_training_forward(kind, head, qk_norm):
     """What the drafter learns is what it serves: the block the serving path proposes (context cache
     fed by the engine's feature rows, RoPE positions, sequential head, confidences) equals the
     training forward (features of one full-sequence target forward, as the cache stores them) with
     the drafted tokens as teacher-forced inputs."""
     from dspark.drafters.base import DraftContext
     target = tiny_target(scale=3.0)
-    model = tiny_drafter_model(target, kind, head, scale=2.0)
+    model = tiny_drafter_model(target, kind, head, scale=2.0, qk_norm=qk_norm)
     with torch.no_grad():
         model.backbone.feature_scale.uniform_(0.5, 2.0)
+        for layer in model.backbone.layers if qk_norm else ():
+            layer.q_norm.weight.uniform_(0.5, 2.0)
+            layer.k_norm.weight.uniform_(0.5, 2.0)
     drafter = DSparkDrafter(model, target)
     ids = [1, 3, 2, 4, 0, 2, 1, 3, 4, 2]
     a = 6                                                   # the anchor: ids[a] is not verified yet

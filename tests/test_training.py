@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.drafters.backbone import init_from_target, packed_block_mask
+from dspark.drafters.backbone import init_from_target
 from dspark.drafters.config import position_weights
 from dspark.errors import DsparkError
 from dspark.training.cache import CacheReader, build_cache
@@ -99,31 +99,42 @@ def test_anchor_candidates_are_positions_with_i_and_i_plus_1_supervised():
     assert len(got) == 2 and set(got.tolist()) <= set(expected) and got.tolist() == sorted(got.tolist())
 
 
-def test_packed_mask_matches_its_definition():
-    anchors, g, L = torch.tensor([2, 5]), 3, 6
-    m = packed_block_mask(anchors, g, L)
-    for a, anchor in enumerate(anchors.tolist()):
-        for j in range(g):
-            row = m[a * g + j]
-            assert row[:L].tolist() == [c < anchor for c in range(L)]
-            assert row[L:].tolist() == [b // g == a for b in range(len(anchors) * g)]
-
-
-@pytest.mark.parametrize("kind,head", [("dspark", "vanilla"), ("dspark", "rnn"), ("dflash", "none"),
-                                       ("eagle3", "none")])
-def test_packed_forward_equals_one_block_at_a_time(kind, head):
-    """All blocks of a sequence in one forward == each block run alone on its own context."""
+@pytest.mark.parametrize("kind,head,qk_norm", [("dspark", "vanilla", False), ("dspark", "vanilla", True),
+                                               ("dspark", "rnn", False), ("dflash", "none", True),
+                                               ("eagle3", "none", False)])
+def test_packed_forward_equals_one_block_at_a_time(kind, head, qk_norm):
+    """All blocks of a sequence in one forward (every position may be an anchor, including the first,
+    which has no context) == each block run alone on its own context."""
     target = tiny_target()
-    model = tiny_drafter_model(target, kind, head, draft_vocab=torch.tensor([0, 1, 3, 4]))
+    model = tiny_drafter_model(target, kind, head, draft_vocab=torch.tensor([0, 1, 3, 4]), qk_norm=qk_norm)
     torch.manual_seed(3)
     L = 14
     ids = torch.randint(0, 5, (L,))
     feats = torch.randn(L, 64)
-    anchors = torch.tensor([3, 4, 8, 12])
+    anchors = torch.tensor([3, 4, 8, 12]) if kind == "eagle3" else torch.arange(L - 1)
     _, packed, _ = model.forward_train(feats, ids, anchors)
     for a, anchor in enumerate(anchors.tolist()):
         _, alone, _ = model.forward_train(feats[:anchor], ids, torch.tensor([anchor]))
         assert torch.allclose(packed[a], alone[0], atol=1e-4), f"block at anchor {anchor} differs"
+
+
+def test_block_attention_equals_a_dense_mask_over_all_blocks():
+    """The two-part attention of training == one softmax over [context; every block] with the
+    block mask written out (context < anchor, own block only)."""
+    from dspark.drafters.backbone import block_attention
+    torch.manual_seed(0)
+    A, g, C, H, Hkv, hd = 5, 3, 9, 4, 2, 8
+    anchors = torch.tensor([0, 2, 3, 7, 9])
+    q, kb, vb = torch.randn(A * g, H, hd), torch.randn(A * g, Hkv, hd), torch.randn(A * g, Hkv, hd)
+    kc, vc = torch.randn(C, Hkv, hd), torch.randn(C, Hkv, hd)
+    got = block_attention(q, kc, vc, kb, vb, anchors)
+    ctx_ok = torch.arange(C)[None, :] < anchors.repeat_interleave(g)[:, None]
+    blk = torch.arange(A).repeat_interleave(g)
+    mask = torch.cat([ctx_ok, blk[:, None] == blk[None, :]], 1)
+    k = torch.cat([kc, kb]).transpose(0, 1)
+    v = torch.cat([vc, vb]).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    assert torch.allclose(got, ref, atol=1e-5)
 
 
 def test_drafter_started_from_a_target_layer_computes_that_layer():
@@ -274,3 +285,110 @@ def test_feature_scale_is_inverse_mean_magnitude_and_saved_with_the_drafter(tmp_
     x = feats[:5]
     folded = torch.nn.functional.linear(x, loaded.backbone.fc.weight * scale[None])
     assert torch.allclose(loaded.backbone.fuse(x), loaded.backbone.fc_norm(folded), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- online distillation
+def test_kl_term_matches_a_naive_reference_and_ce_skips_rows_the_target_did_not_write():
+    torch.manual_seed(1)
+    N, Vd, V = 6, 5, 7
+    logits = torch.randn(N, Vd) * 2
+    full = torch.randn(N, V).softmax(-1)
+    pt, pt_out = full[:, :Vd], full[:, Vd:].sum(-1)
+    positions = torch.tensor([0, 1, 2, 0, 1, 2])
+    weights = torch.tensor(position_weights(3))
+    gt = torch.tensor([0, 1, 2, 3, 4, 0])
+    _, terms = drafter_loss(logits, positions, weights, gt, pt, pt_out, kl_weight=1.0)
+    w = weights[positions].double()
+    logp = logits.double().log_softmax(-1)
+    kl = (pt.double() * (pt.double().log() - logp)).sum(-1)
+    assert terms["kl"].item() == pytest.approx(float((w * kl).sum() / w.sum()), rel=1e-5)
+    _, none = drafter_loss(logits, positions, weights, torch.full_like(gt, Vd), pt, pt_out)
+    assert none["ce"].item() == 0.0          # gt = Vd: no CE term (text the target did not write)
+
+
+def test_wsd_schedule_is_flat_then_decays_to_zero():
+    from dspark.training.trainer import lr_at
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, schedule="wsd", decay=0.2)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(v == 1.0 for v in lrs[10:80])                 # stable: extending the run changes nothing here
+    assert all(a > b for a, b in zip(lrs[80:], lrs[81:])) and lrs[99] == pytest.approx(0.05)
+    assert all(lr_at(s, 100, cfg) == lr_at(s, 1000, cfg) for s in range(80))   # a longer run starts alike
+
+
+def test_online_training_on_corpus_rows_with_every_anchor_and_the_heldout_signal(tmp_path):
+    """The online source runs the target in one ragged batch per step and gives what a cache
+    gives; every answer position is an anchor; CE only on target-written rows; the held-out
+    signal is logged per source; a run resumes from weights alone with a fresh optimizer."""
+    from dspark.training.cache import OnlineSource
+    from dspark.training.corpus import Row
+    target = tiny_target()
+    t = as_target(target)
+    g = torch.Generator().manual_seed(5)
+    rows = [Row(f"{src}{i}", src, tuple(torch.randint(0, 5, (12 + i,), generator=g).tolist()), 4, src == "regen")
+            for i in range(6) for src in ("chat", "regen")]
+    online = OnlineSource(rows, t, [0, 2])
+    build_cache([{"id": r.id, "prompt_ids": list(r.ids[:4]), "answer_ids": list(r.ids[4:])} for r in rows], t,
+                tmp_path / "c", [0, 2], progress=False, log=lambda m: None)
+    cached = CacheReader(tmp_path / "c")
+    online.prefetch([3, 0, 7])
+    for i in (0, 3, 7, 5):                      # prefetched in one batch, or alone
+        a, b = online[i], cached[i]
+        assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert a.target_written == (rows[i].source == "regen") and a.source == rows[i].source
+    held = OnlineSource(rows[:4], t, [0, 2])
+    cfg = TrainConfig(lr=3e-3, epochs=2, batch_size=4, anchors=0, log_every=100, eval_every=2, schedule="wsd",
+                      loss="kl+tv")
+    quiet = dict(progress=False, log=lambda m: None)
+    res = train(online, tiny_config(qk_norm=True), tmp_path / "o", t, cfg, draft_vocab=torch.tensor([0, 1, 2, 4]),
+                heldout=held, **quiet)
+    hist = json.loads((tmp_path / "o" / "train_log.json").read_text())["history"]
+    per_step = [h["anchors_seen"] for h in hist]
+    assert per_step[-1] == 2 * sum(len(r.ids) - 4 - 1 for r in rows)       # every (i, i+1) answer pair, twice
+    assert all(h["kl"] > 0 for h in hist)
+    sig = [json.loads(line) for line in (tmp_path / "o" / "heldout.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in sig] == [0, 2, 4, 6] and sig[-1]["anchors_seen"] == per_step[-1]
+    assert set(sig[0]["sources"]) == {"chat", "regen"}
+    for s in sig[0]["sources"].values():
+        assert len(s["accept"]) == 3 and all(0 <= a <= 1 for a in s["accept"] + s["argmax"])
+    assert res["steps"] == 6
+    from dataclasses import replace
+    train(online, tiny_config(qk_norm=True), tmp_path / "w", t, replace(cfg, init_weights=str(tmp_path / "o"),
+                                                                          max_steps=1, eval_every=0), **quiet)
+    with pytest.raises(Exception, match="init-weights"):
+        train(online, tiny_config(kind="dflash", head="none"), tmp_path / "x", t,
+              replace(cfg, init_weights=str(tmp_path / "o"), max_steps=1), **quiet)
+
+
+def test_two_processes_under_torchrun_take_the_steps_of_one(tmp_path):
+    """``train`` under ``torchrun --nproc_per_node 2`` (gloo): each rank takes half of every global
+    batch and the gradients are summed, so the weights after the run are one process's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    script = str(Path(__file__).parent / "_ddp_train.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    subprocess.run([sys.executable, script, str(tmp_path / "one")], check=True, env=env, timeout=300)
+    import socket
+    with socket.socket() as sock:                 # a free port for the rendezvous (0 hangs torchrun)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                "127.0.0.1", "--master_port", str(port)]
+    subprocess.run(torchrun + [script, str(tmp_path / "two")], check=True, env=env, timeout=300,
+                   capture_output=True)
+    one = load_file(str(tmp_path / "one" / "drafter" / "checkpoint" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "drafter" / "checkpoint" / "model.safetensors"))
+    assert one.keys() == two.keys()
+    for k in one:
+        assert torch.allclose(one[k], two[k], rtol=1e-3, atol=1e-5), k
+    hist_one = json.loads((tmp_path / "one" / "drafter" / "train_log.json").read_text())["history"]
+    hist_two = json.loads((tmp_path / "two" / "drafter" / "train_log.json").read_text())["history"]
+    assert [h["step"] for h in hist_one] == [h["step"] for h in hist_two]
+    assert [h["anchors_seen"] for h in hist_one] == [h["anchors_seen"] for h in hist_two]
+    for a, b in zip(hist_one, hist_two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)

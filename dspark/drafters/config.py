@@ -36,6 +36,7 @@ class DrafterConfig:
     num_attention_heads: int = 9
     num_key_value_heads: int = 3
     head_dim: int = 64
+    qk_norm: bool = False               # RMSNorm over each head's q and k (Qwen3 / DeepSpec layout)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 100000.0
     block_size: int = 7                 # gamma: drafted tokens per round
@@ -76,7 +77,7 @@ class DrafterConfig:
         tmp.replace(Path(folder) / "config.json")
 
     @classmethod
-    def load(cls, folder: Path) -> "DrafterConfig":
+    def load(cls, folder: Path) -> DrafterConfig:
         path = Path(folder) / "config.json"
         try:
             data = json.loads(path.read_text())

@@ -17,7 +17,9 @@ head come from the target at load time and are never saved twice). Loading never
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +29,20 @@ from torch import nn
 
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
-from ..runtime.linear import linear, pack, serve_fast
+from ..runtime.linear import Weight, linear, pack, serve_fast
 from ..runtime.attention import SlotBatch, attention
 from ..runtime.model import LayerWeights, RopeTable, rms_norm
 from ..sampling import probs_from_logits, sample_rows, uniforms
-from .backbone import Backbone, packed_block_mask
+from .backbone import Backbone, DrafterLayer
 from .base import DraftContext, Drafter, Proposal
 from .config import DrafterConfig
 from .heads import ConfidenceHead, SequentialHead
 
 
 class DSparkModel(nn.Module):
+    draft_vocab: torch.Tensor       # registered buffers
+    t2d: torch.Tensor
+
     def __init__(self, config: DrafterConfig, draft_vocab: torch.Tensor | None = None):
         super().__init__()
         self.config = c = config
@@ -53,13 +58,13 @@ class DSparkModel(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         self.head = SequentialHead(c, vd) if c.has_markov else None
         self.confidence = ConfidenceHead(c, c.has_markov) if c.confidence_head else None
-        self.embed = None      # frozen target parts, attached, never saved
-        self.lm_head = None    # the target's LM head rows of the draft vocabulary
-        self.lm_head_packed = None   # the same, packed for serving (runtime/linear.py)
-        self.target_lm_head = None
+        self.embed: torch.Tensor | None = None      # frozen target parts, attached, never saved
+        self.lm_head: torch.Tensor | None = None    # the target's LM head rows of the draft vocabulary
+        self.lm_head_packed: Weight | None = None   # the same, packed for serving (runtime/linear.py)
+        self.target_lm_head: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ target parts
-    def attach(self, embed: torch.Tensor, lm_head: torch.Tensor, init_mask: bool = False) -> "DSparkModel":
+    def attach(self, embed: torch.Tensor, lm_head: torch.Tensor, init_mask: bool = False) -> DSparkModel:
         """Share the target's embedding [V, d] and LM head [V, d] (frozen)."""
         c = self.config
         if embed.shape[0] < c.vocab_size or lm_head.shape[0] < c.vocab_size:
@@ -76,10 +81,12 @@ class DSparkModel(nn.Module):
         return self
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed is not None, "attach() the target's embedding first"
         x = F.embedding(ids.to(self.embed.device), self.embed)
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "attach() the target's LM head first"
         if h.dim() == 2:
             u = linear(h, self.lm_head if self.lm_head_packed is None else self.lm_head_packed)
         else:
@@ -104,8 +111,7 @@ class DSparkModel(nn.Module):
         x = self.mask_embedding.to(ctx.dtype).expand(A, g, -1).clone()
         x[:, 0] = self.embed_tokens(ids[anchors]).to(x.dtype)
         pos = (anchors[:, None] + torch.arange(g)[None]).reshape(-1)
-        mask = packed_block_mask(anchors, g, ctx_len)
-        h = self.backbone(x.reshape(A * g, -1), pos, kv, mask).view(A, g, -1)
+        h = self.backbone(x.reshape(A * g, -1), pos, kv, None, anchors=anchors).view(A, g, -1)
         logits = self.base_logits(h)
         conf = None
         e = None
@@ -130,7 +136,7 @@ class DSparkModel(nn.Module):
         self.config.save(folder)
 
     @classmethod
-    def load(cls, folder, dtype: torch.dtype = torch.float32) -> "DSparkModel":
+    def load(cls, folder, dtype: torch.dtype = torch.float32) -> DSparkModel:
         folder = Path(folder)
         config = DrafterConfig.load(folder)
         try:
@@ -151,6 +157,8 @@ class DSparkModel(nn.Module):
 
 class DSparkDrafter(Drafter):
     """Serving wrapper: per-request context cache, one batched block forward, sequential sampling."""
+
+    folder: Path    # where it was loaded from: set by drafters.load_trained, absent otherwise
 
     def __init__(self, model: DSparkModel, target, name: str | None = None, block_size: int | None = None):
         c = model.config
@@ -188,12 +196,14 @@ class DSparkDrafter(Drafter):
         if "slot" not in ctx.state:
             if self.cache is None:
                 self.prepare(1, max(1024, 2 * len(ctx.tokens)))
+            assert self.cache is not None       # prepare() always leaves one
             ctx.state["slot"] = self.cache.allocate()
         return ctx.state["slot"]
 
     def release(self, ctx: DraftContext) -> None:
         slot = ctx.state.pop("slot", None)
         if slot is not None:
+            assert self.cache is not None       # the slot came from it (_slot)
             self.cache.free(slot)
 
     def _serving_weights(self) -> None:
@@ -206,8 +216,10 @@ class DSparkDrafter(Drafter):
         self._layers = [LayerWeights(input_norm=l.input_norm.weight, qkv_bias=None, o_bias=None,
                                      qkv=torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
                                      o=l.o_proj.weight, post_attn_norm=l.post_norm.weight,
-                                     gate_up=torch.cat([l.gate_proj.weight, l.up_proj.weight]), down=l.down_proj.weight)
-                        for l in bb.layers]
+                                     gate_up=torch.cat([l.gate_proj.weight, l.up_proj.weight]), down=l.down_proj.weight,
+                                     q_norm=None if l.q_norm is None else l.q_norm.weight,
+                                     k_norm=None if l.k_norm is None else l.k_norm.weight)
+                        for l in cast(Iterable[DrafterLayer], bb.layers)]
         self._layers = [lw.packed() for lw in self._layers]
         self._rope = RopeTable(bb.rope.inv_freq, 1.0, dt, self.device)
 
@@ -226,6 +238,7 @@ class DSparkDrafter(Drafter):
         cache = self.cache
         feats, starts, new = [], [], []
         for ctx, slot in zip(contexts, slots):
+            assert cache is not None        # _slot() allocated it
             n = sum(f.shape[0] for f in ctx.features)
             if cache.lengths[slot] + n != len(ctx.tokens) - 1:
                 raise RuntimeError("drafter context out of step with the request")
@@ -238,8 +251,10 @@ class DSparkDrafter(Drafter):
         R = len(active)
         if nc == 0 and R == 0:
             return None
+        assert cache is not None            # there is a context, so _slot() allocated it
         bb = self.model.backbone
         dev = self.device
+        rows_pos: list[int]
         rows_slot, rows_pos = [], []      # cache slot and position of every row (context rows, then block rows)
         for slot, s, n in zip(slots, starts, new):
             rows_slot += [slot] * n
@@ -267,16 +282,21 @@ class DSparkDrafter(Drafter):
             batch = SlotBatch.of([(ctx.state["slot"], g) for ctx in active], [len(ctx.tokens) - 1 for ctx in active],
                                  [i * g for i in range(R)], dev, causal=False)
         for li, lw in enumerate(self._layers):
-            h = rms_norm(x, lw.input_norm, eps) if R else None
+            h = rms_norm(x, lw.input_norm, eps) if x is not None else None     # x is set iff R
             inp = h if ctx_rows is None else ctx_rows if h is None else torch.cat([ctx_rows, h])
+            assert inp is not None          # nc or R is nonzero (checked above)
             qkv = linear(inp, lw.qkv).contiguous()
             qk = qkv[:, :qs + ks].view(-1, H + Hkv, hd)
+            if lw.q_norm is not None:
+                assert lw.k_norm is not None        # a drafter layer has both or neither (qk_norm)
+                qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, eps), rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
             qk = qk * cos + qk.roll(hd // 2, -1) * sin
             kc, vc = cache.k[li], cache.v[li]
             kc[slot_idx, :, pos] = qk[:, H:].to(kc.dtype)
             vc[slot_idx, :, pos] = qkv[:, qs + ks:].view(-1, Hkv, hd).to(vc.dtype)
             if not R:
                 continue
+            assert x is not None            # set above whenever R
             q = qk[nc:, :H]
             if batch is not None:
                 a = torch.empty(R * g, H * hd, dtype=kc.dtype, device=dev)
@@ -295,7 +315,7 @@ class DSparkDrafter(Drafter):
             x = x + linear(F.silu(gate) * up, lw.down)
         for slot, n in zip(slots, new):
             cache.lengths[slot] += n
-        return rms_norm(x, bb.norm.weight, eps).view(R, g, -1) if R else None
+        return rms_norm(x, bb.norm.weight, eps).view(R, g, -1) if x is not None else None   # x is set iff R
 
     @torch.inference_mode()
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
@@ -305,6 +325,7 @@ class DSparkDrafter(Drafter):
         results = {id(c): Proposal.empty() for c in contexts}
         if not active:
             return [results[id(c)] for c in contexts]
+        assert h is not None                # _forward returns hidden states whenever a request is active
         m = self.model
         R = len(active)
         U = m.base_logits(h.view(R * steps, -1)).float().view(R, steps, -1)   # [R, g, Vd]
@@ -313,11 +334,11 @@ class DSparkDrafter(Drafter):
         V = self.config.vocab_size
         vocab = m.draft_vocab
         # requests with the same sampling settings sample together (one vectorised pass per group)
-        groups: dict = {}
+        by_params: dict[tuple, list[int]] = {}
         for i, c in enumerate(active):
-            groups.setdefault((c.params.temperature, c.params.top_k, c.params.top_p), []).append(i)
+            by_params.setdefault((c.params.temperature, c.params.top_k, c.params.top_p), []).append(i)
         groups = [(active[rows[0]].params, slice(None) if len(rows) == R else torch.tensor(rows))
-                  for rows in groups.values()]
+                  for rows in by_params.values()]
         dev = U.device
         u = uniforms([c.generator for c in active], steps, dev)      # each request's own stream
         toks = torch.empty(R, steps + 1, dtype=torch.long, device=dev)   # draft-vocabulary indices

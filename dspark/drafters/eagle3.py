@@ -14,14 +14,15 @@ trainer with the DSpark drafter.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.kv_cache import KVCache
 from ..sampling import probs_from_logits, sample
-from .backbone import DrafterLayer, Rope
-from .base import DraftContext, Drafter, Proposal
+from .backbone import DrafterLayer
+from .base import DraftContext, Proposal
 from .config import DrafterConfig
 from .dspark import DSparkDrafter, DSparkModel
 
@@ -44,7 +45,7 @@ class Eagle3Model(DSparkModel):
         """Unrolled chains from every anchor. Returns (None, logits [A, g, Vd], None)."""
         c = self.config
         g, L = c.block_size, ids.shape[0]
-        layer = self.backbone.layers[0]
+        layer = cast(DrafterLayer, self.backbone.layers[0])
         rope = self.backbone.rope
         n = int(anchors.max())                      # entries 0..n-1 (entry j reads t_{j+1})
         f = self.backbone.fuse(features[:n].to(self.backbone.fc.weight.dtype))
@@ -52,7 +53,7 @@ class Eagle3Model(DSparkModel):
         x0 = torch.cat([e, f], -1)
         h = layer.input_norm(x0)
         pos0 = torch.arange(n)
-        k0 = rope(layer.k_proj(h).view(n, layer.Hkv, layer.hd), pos0)
+        k0 = layer.keys(h, pos0, rope)
         v0 = layer.v_proj(h).view(n, layer.Hkv, layer.hd)
         # step 0 for all entries (causal), then keep the anchors' chains
         causal = torch.ones(n, n, dtype=torch.bool).tril()
@@ -67,7 +68,7 @@ class Eagle3Model(DSparkModel):
             x = torch.cat([self.embed_tokens(tok).to(f.dtype), hs[-1]], -1)
             hn = layer.input_norm(x)
             pos = j + s
-            ks.append(rope(layer.k_proj(hn).view(A, layer.Hkv, layer.hd), pos))
+            ks.append(layer.keys(hn, pos, rope))
             vs.append(layer.v_proj(hn).view(A, layer.Hkv, layer.hd))
             hs.append(self._chain_attend(layer, rope, x, hn, pos, k0, v0, ctx_mask, ks, vs, hs[-1]))
         hid = self.backbone.norm(torch.stack(hs, 1))                # [A, g, d]
@@ -78,7 +79,7 @@ class Eagle3Model(DSparkModel):
         """Attention of chain rows to their context entries (masked) and their own chain keys."""
         A = x.shape[0]
         H, Hkv, hd = layer.H, layer.Hkv, layer.hd
-        q = rope(layer.q_proj(hn).view(A, H, hd), pos)
+        q = layer.queries(hn, pos, rope)
         rep = H // Hkv
         kc = k0.repeat_interleave(rep, 1)                         # [n, H, hd]
         vc = v0.repeat_interleave(rep, 1)
@@ -107,6 +108,7 @@ class Eagle3Drafter(DSparkDrafter):
         outs = []
         for ctx in contexts:
             slot = self._slot(ctx)
+            assert self.cache is not None       # _slot() allocated it
             f = torch.cat(ctx.features) if len(ctx.features) > 1 else ctx.features[0]
             ctx.features.clear()
             start = self.cache.lengths[slot]
@@ -121,12 +123,13 @@ class Eagle3Drafter(DSparkDrafter):
 
     def _run(self, slot: int, x: torch.Tensor, resid: torch.Tensor, start: int) -> torch.Tensor:
         """Rows x at positions start.. for one request: append their keys to its cache, attend causally."""
-        layer, rope = self.model.backbone.layers[0], self.model.backbone.rope
+        layer, rope = cast(DrafterLayer, self.model.backbone.layers[0]), self.model.backbone.rope
+        assert self.cache is not None           # the slot came from _slot()
         n = x.shape[0]
         pos = torch.arange(start, start + n, device=self.device)
         h = layer.input_norm(x)
-        q = rope(layer.q_proj(h).view(n, layer.H, layer.hd), pos)
-        k = rope(layer.k_proj(h).view(n, layer.Hkv, layer.hd), pos)
+        q = layer.queries(h, pos, rope)
+        k = layer.keys(h, pos, rope)
         v = layer.v_proj(h).view(n, layer.Hkv, layer.hd)
         self.cache.check_room(slot, n)
         self.cache.k[0][slot, :, start:start + n] = k.transpose(0, 1)
@@ -149,6 +152,7 @@ class Eagle3Drafter(DSparkDrafter):
         V, vocab = self.config.vocab_size, m.draft_vocab
         for i, c in active:
             slot = c.state["slot"]
+            assert self.cache is not None       # _ingest_and_first() allocated the slot
             base = self.cache.lengths[slot]
             steps = min(self.block_size, c.num_draft)
             h = h_all[i]

@@ -23,6 +23,10 @@ from .config import DrafterConfig
 
 
 class SequentialHead(nn.Module):
+    # the head's kind ("vanilla" / "gated" / "rnn"): an instance attribute that shadows nn.Module.type(),
+    # which this module never uses; mypy rejects redefining a base-class method as an attribute
+    type: str  # type: ignore[assignment]
+
     def __init__(self, c: DrafterConfig, vocab: int):
         super().__init__()
         self.type, r, d = c.markov_head_type, c.markov_rank, c.hidden_size
@@ -46,6 +50,7 @@ class SequentialHead(nn.Module):
             return self.w2(e), e, state
         if self.type == "gated":
             return self.w2(torch.sigmoid(self.gate(torch.cat([h, e], -1))) * e), e, state
+        assert state is not None        # the rnn head always carries one (init_state)
         g, u, o = self.rnn(torch.cat([state, e, h], -1)).chunk(3, -1)
         s = torch.sigmoid(g)
         state = s * state + (1 - s) * torch.tanh(u)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import DsparkError, UsageError
+from ..runtime.kv_cache import KVCache
 
 FILES = ("features.npy", "hidden.npy", "ids.npy", "loss_mask.npy")
 
@@ -83,8 +84,8 @@ def build_cache(rows: list[dict], target, out_dir, layer_ids: list[int], *, shar
             raise UsageError(f"{out} holds a cache for {old.get('target')} layers {old.get('feature_layers')}; "
                              "use another folder or delete it")
         index = old
-    for p in out.glob(".shard-*"):
-        shutil.rmtree(p, ignore_errors=True)         # a shard cut off mid-write
+    for stale in out.glob(".shard-*"):
+        shutil.rmtree(stale, ignore_errors=True)     # a shard cut off mid-write
     done = {s[3] for s in index["sequences"]}
     todo = [r for r in rows if r["id"] not in done]
     log(f"cache: {len(rows)} sequences, {len(done)} already cached, {len(todo)} to go -> {out}")
@@ -121,7 +122,7 @@ def build_cache(rows: list[dict], target, out_dir, layer_ids: list[int], *, shar
         if not batch:
             return
         ids, segs = [], []
-        for i, (rid, toks, mask) in enumerate(batch):
+        for _rid, toks, _mask in batch:
             slot = kv.allocate()
             ids.extend(toks)
             segs.append((slot, len(toks)))
@@ -175,6 +176,8 @@ class Sequence:
     hidden: torch.Tensor      # [L, d] bf16 (after the final norm)
     ids: torch.Tensor         # [L] long
     loss_mask: torch.Tensor   # [L] bool
+    target_written: bool = True   # the supervised tokens were sampled from the target (CE applies)
+    source: str = "regen"
 
 
 class CacheReader:
@@ -226,35 +229,82 @@ class CacheReader:
 
 
 class OnlineSource:
-    """The same items as a cache, computed by running the target inside training (small targets)."""
+    """The same items as a cache, computed by running the target inside training: no disk, no
+    rebuild on a new machine. ``prefetch(indices)`` runs the sequences of a whole step through the
+    target in one ragged batch (one forward per ``batch_tokens``), which ``__getitem__`` then hands
+    out; an index not prefetched runs alone."""
 
-    def __init__(self, rows: list[dict], target, layer_ids: list[int], max_len: int = 1024):
+    def __init__(self, rows: list, target, layer_ids: list[int], max_len: int = 1024, batch_tokens: int = 8192):
+        """``rows``: regenerated rows (dicts, as ``dspark regenerate`` writes them) or corpus
+        ``Row``s (training/corpus.py)."""
         self.target, self.layer_ids, self.max_len = target, list(layer_ids), max_len
-        self.items = []
+        self.batch_tokens = batch_tokens
+        self.items: list[tuple[list[int], list[int], bool, str]] = []
         for r in rows:
-            p, a = sequence_tokens(r, target.tokenizer)
-            toks, mask = (p + a)[:max_len], ([0] * len(p) + [1] * len(a))[:max_len]
+            if isinstance(r, dict):
+                p, a = sequence_tokens(r, target.tokenizer)
+                toks, mask = (p + a)[:max_len], ([0] * len(p) + [1] * len(a))[:max_len]
+                written, src = True, "regen"
+            else:
+                toks = list(r.ids)[:max_len]
+                mask = ([0] * r.start + [1] * (len(r.ids) - r.start))[:max_len]
+                written, src = r.target_written, r.source
             if sum(mask) >= 2:
-                self.items.append((toks, mask))
+                self.items.append((toks, mask, written, src))
         self.feature_layers = self.layer_ids
         self.hidden_size = target.model.config.hidden_size
-        self._kv = target.model.new_cache(1, max_len)
+        self._kv: KVCache | None = None
+        self._ready: dict[int, Sequence] = {}
 
     def __len__(self) -> int:
         return len(self.items)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(t) for t, _ in self.items)
+        return sum(len(t) for t, *_ in self.items)
+
+    def token_rows(self):
+        """(ids, loss_mask) of every sequence, without running the target."""
+        for toks, mask, *_ in self.items:
+            yield torch.tensor(toks), torch.tensor(mask, dtype=torch.bool)
+
+    def prefetch(self, indices) -> None:
+        self._ready.clear()
+        group: list[int] = []
+        for i in indices:
+            if group and sum(len(self.items[j][0]) for j in group) + len(self.items[i][0]) > self.batch_tokens:
+                self._run(group)
+                group = []
+            group.append(i)
+        self._run(group)
 
     @torch.inference_mode()
-    def __getitem__(self, i: int) -> Sequence:
-        toks, mask = self.items[i]
-        slot = self._kv.allocate()
+    def _run(self, group: list[int]) -> None:
+        if not group:
+            return
+        model = self.target.model
+        if self._kv is None or self._kv.num_slots < len(group):
+            self._kv = model.new_cache(max(len(group), 8), self.max_len)
+        segs, ids = [], []
+        for i in group:
+            toks = self.items[i][0]
+            segs.append((self._kv.allocate(), len(toks)))
+            ids.extend(toks)
         try:
-            o = self.target.model(torch.tensor(toks), [(slot, len(toks))], self._kv,
-                                  feature_layers=tuple(self.layer_ids), logits_rows=None)
+            o = model(torch.tensor(ids), segs, self._kv, feature_layers=tuple(self.layer_ids), logits_rows=None)
         finally:
-            self._kv.free(slot)
-        return Sequence(torch.cat(o.features, -1).to(torch.bfloat16), o.last_hidden.to(torch.bfloat16),
-                        torch.tensor(toks), torch.tensor(mask, dtype=torch.bool))
+            for slot, _ in segs:
+                self._kv.free(slot)
+        feats = torch.cat(o.features, -1).to(torch.bfloat16)
+        hidden = o.last_hidden.to(torch.bfloat16)
+        at = 0
+        for i, (_, n) in zip(group, segs):
+            toks, mask, written, src = self.items[i]
+            self._ready[i] = Sequence(feats[at:at + n].clone(), hidden[at:at + n].clone(), torch.tensor(toks),
+                                      torch.tensor(mask, dtype=torch.bool), written, src)
+            at += n
+
+    def __getitem__(self, i: int) -> Sequence:
+        if i not in self._ready:
+            self._run([i])
+        return self._ready.pop(i)

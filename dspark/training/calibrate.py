@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, Request
 from ..errors import UsageError
 from ..sampling import SamplingParams
 from ..scheduling.policies import FixedPolicy
@@ -87,6 +87,8 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
     max_len = max(len(prompts[i]) for i in keep) + max_new_tokens + g + 2
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len, block_size=g,
                     eos_ids=target.eos_token_ids)
+    length: list[int]
+    live: list[tuple[Request, int]]
     z, length, accepted, domain = [], [], [], []
     queue, live = list(keep), []
     try:

@@ -3,7 +3,12 @@
 DSpark:  L = 0.1 CE(ground truth) + 0.9 ||p_d - p_t||_1 + 1.0 BCE(c, c*),  c* = 1 - 0.5 ||p_d - p_t||_1
          (detached), every term weighted by w_k = exp(-(k-1)/4) and normalised by the sum of the
          weights of the supervised positions.
-DFlash:  the CE term alone, same weights.
+         With ``kl_weight``: the forward KL(p_t || p_d) on the draft vocabulary beside (or instead
+         of) the L1 term; KL's gradient keeps pulling where p_d already overlaps p_t, where L1's is
+         a sign. The CE term applies only where the token was sampled from the target (``gt`` =
+         Vd elsewhere): on text the target did not write the token carries another law.
+DFlash:  the CE term alone, same weights (or the distillation terms above, on text the target did
+         not write).
 EAGLE-3: soft cross-entropy against p_t at each unrolled step, weight 0.8^step.
 
 p_d lives on the draft vocabulary; p_t on the full one. ||p_d - p_t||_1 = sum over the draft
@@ -39,7 +44,7 @@ def target_probs(hidden: torch.Tensor, lm_head: torch.Tensor, draft_vocab: torch
 def drafter_loss(logits: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, gt: torch.Tensor,
                  pt: torch.Tensor | None = None, pt_out: torch.Tensor | None = None,
                  conf_logits: torch.Tensor | None = None, ce_weight: float = 0.1, l1_weight: float = 0.9,
-                 bce_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+                 bce_weight: float = 1.0, kl_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Loss over N supervised block positions.
 
     logits [N, Vd] draft logits; positions [N] block index k (0-based); weights [gamma] per position;
@@ -61,11 +66,18 @@ def drafter_loss(logits: torch.Tensor, positions: torch.Tensor, weights: torch.T
         terms = {k: v.detach() for k, v in terms.items()}
         terms["loss"] = loss.detach()
         return loss, terms
+    assert pt_out is not None           # given together with pt
     l1 = (logp.exp() - pt).abs().sum(-1) + pt_out
     terms["l1"] = (w * l1).sum() / wsum
     accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
     terms["accept"] = (w * accept).sum() / wsum
     loss = ce_weight * terms["ce"] + l1_weight * terms["l1"]
+    if kl_weight:
+        # sum over the draft vocabulary of p_t (log p_t - log p_d): the target's mass outside it is a
+        # constant the drafter cannot move
+        kl = (torch.xlogy(pt, pt) - pt * logp).sum(-1)
+        terms["kl"] = (w * kl).sum() / wsum
+        loss = loss + kl_weight * terms["kl"]
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
         terms["bce"] = (w * bce).sum() / wsum

@@ -153,6 +153,7 @@ def _math_problem(rng: random.Random) -> str:
 
 
 def math_prompts(limit: int, rng: random.Random) -> list[str]:
+    out: list[str]
     out, seen = [], set()
     tries = 0
     while len(out) < limit and tries < limit * 20:
@@ -200,6 +201,8 @@ def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | Non
     rng = random.Random(seed)
     makers = {"chat": chat_prompts, "code": code_prompts, "math": math_prompts}
     bench = benchmark_texts()
+    rows: list[dict[str, str]]
+    report: dict[str, object]
     rows, report = [], {}
     for dom in DOMAINS:
         want = round(num_prompts * mix.get(dom, 0) / total)

@@ -1,15 +1,26 @@
 """``dspark train``: train a DSpark / DFlash drafter on a target cache (or online), read top to bottom.
 
 Per step: a global batch of sequences (a fixed permutation per epoch); per sequence, up to
-``anchors`` anchor positions i where tokens i and i+1 are both supervised, all blocks packed into
-one forward with the block attention mask; p_t recomputed from the cached last hidden state with
-the frozen LM head, once per needed position; the loss of training/losses.py; AdamW, linear warmup
-then cosine to 0, gradient clipping.
+``anchors`` anchor positions i where tokens i and i+1 are both supervised (0: every one), all
+blocks in one forward (each block sees the context before its anchor and itself:
+``block_attention``), so one target forward and one p_t per position serve every anchor of the
+sequence; p_t recomputed from the last hidden state with the frozen LM head; the loss of
+training/losses.py (``loss``: the paper's TV, forward KL, or both); AdamW, linear warmup then
+cosine to 0 or warmup-stable-decay (``schedule="wsd"``: constant until the last ``decay`` of the
+steps, so a run can be extended by raising its epochs while it is still in the stable phase),
+gradient clipping.
 
 Checkpoints: ``<out>/checkpoint`` (fp32 weights, optimizer moments, step) every ``save_every``
-steps and at the end, written to a temporary folder and renamed. Rerunning the same command
-resumes from it and reproduces the uninterrupted run (the data order and the anchors depend only
-on the seed and the step). The final drafter (bf16) is ``<out>/config.json + model.safetensors``.
+steps, every ``save_minutes`` and at the end, written to a temporary folder and renamed. Rerunning
+the same command resumes from it and reproduces the uninterrupted run (the data order and the
+anchors depend only on the seed and the step). ``init_weights`` starts a new run from a saved
+drafter's weights with a fresh optimizer. The final drafter (bf16) is ``<out>/config.json +
+model.safetensors``.
+
+Held-out signal: every ``eval_every`` steps, on held-out sequences of each source, per block
+position the mean 1 - TV(p_d, p_t) (the acceptance rate at temperature 1) and how often the
+draft's argmax is the target's (greedy), teacher-forced, appended to ``<out>/heldout.jsonl`` with
+the number of answer positions trained on so far.
 
 Runs as is under ``torchrun --nproc_per_node N``: each rank takes its share of every batch and
 gradients are summed across ranks (gloo on CPU, nccl on GPUs).
@@ -26,6 +37,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -53,12 +65,26 @@ class TrainConfig:
     loss_decay: float = 4.0       # position weights exp(-(k-1)/decay)
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
     init_layers: list | None = None  # start drafter layer i from target layer init_layers[i] (None: random)
+    loss: str | None = None       # tv (paper) | kl | kl+tv | ce; None: ce for DFlash (the paper's), tv else
+    schedule: str = "cosine"      # cosine | wsd (warmup-stable-decay)
+    decay: float = 0.2            # wsd: the last fraction of the steps, lr falling linearly to 0
+    warmup_steps: int = 50        # wsd: warmup in steps, not a fraction, so that a longer run starts alike
+    save_minutes: float = 10.0    # also checkpoint whenever this long has passed since the last save
+    eval_every: int = 0           # held-out signal every N steps (0: never)
+    init_weights: str | None = None  # start from this saved drafter's weights (fresh optimizer)
+
+
+LOSSES = {   # name -> (ce, l1, kl) weights; BCE of the confidence head 1.0 wherever p_t is used
+    "tv": (0.1, 0.9, 0.0), "kl": (0.1, 0.0, 1.0), "kl+tv": (0.1, 0.9, 1.0), "ce": (1.0, 0.0, 0.0)}
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    warm = max(1, round(cfg.warmup * total))
+    warm = max(1, cfg.warmup_steps if cfg.schedule == "wsd" else round(cfg.warmup * total))
     if step < warm:
         return cfg.lr * (step + 1) / warm
+    if cfg.schedule == "wsd":
+        start = max(warm, round((1 - cfg.decay) * total))
+        return cfg.lr if step < start else cfg.lr * max(0.0, (total - step) / max(1, total - start))
     t = (step - warm) / max(1, total - warm)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
@@ -70,8 +96,9 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to ``n`` anchor candidates at random (n = 0: all of them), sorted."""
     cand = anchor_candidates(loss_mask)
-    if cand.numel() > n:
+    if 0 < n < cand.numel():
         cand = cand[torch.randperm(cand.numel(), generator=generator)[:n]]
     return cand.sort().values
 
@@ -81,9 +108,10 @@ def build_draft_vocab(source, size: int, vocab_size: int, always=()) -> torch.Te
     if size <= 0 or size >= vocab_size:
         return torch.arange(vocab_size)
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(source)):
-        s = source[i]
-        counts += torch.bincount(s.ids[s.loss_mask], minlength=vocab_size)[:vocab_size]
+    rows = source.token_rows() if hasattr(source, "token_rows") else (
+        (s.ids, s.loss_mask) for s in (source[i] for i in range(len(source))))
+    for ids, mask in rows:
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     for t in always:
         counts[t] = counts.max() + 1
     order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
@@ -95,6 +123,8 @@ def feature_scale(source, max_tokens: int = 50_000) -> torch.Tensor:
     that a dead channel does not blow up)."""
     total, count = None, 0
     for i in range(len(source)):
+        if hasattr(source, "prefetch") and i % 16 == 0:     # online: the target over 16 sequences at once
+            source.prefetch(range(i, min(i + 16, len(source))))
         s = source[i]
         f = s.features[s.loss_mask].float().abs()
         total = f.sum(0) if total is None else total + f.sum(0)
@@ -103,6 +133,7 @@ def feature_scale(source, max_tokens: int = 50_000) -> torch.Tensor:
             break
     if not count:
         raise UsageError("no supervised tokens to measure the feature scale on")
+    assert total is not None            # set with the first counted row
     mean = total / count
     return 1.0 / mean.clamp_min(1e-3 * float(mean.median()) + 1e-12)
 
@@ -114,11 +145,12 @@ def model_class(kind: str):
     return DSparkModel
 
 
-def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch.Tensor, kind: str):
+def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch.Tensor, kind: str,
+                  loss: str = "tv"):
     """Loss of one sequence's packed blocks (teacher forcing)."""
     c = model.config
     g, L = c.block_size, seq.ids.shape[0]
-    h, logits, conf = model.forward_train(seq.features, seq.ids, anchors)
+    _, logits, conf = model.forward_train(seq.features, seq.ids, anchors)
     k = torch.arange(g)
     pos = anchors[:, None] + k[None]                     # p_t position for each block row
     tgt = pos + 1                                        # the token it predicts
@@ -130,16 +162,56 @@ def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch
     flat_logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
     ks = k.expand_as(pos).reshape(-1)[rows]
     gt = model.t2d[seq.ids[tgt.clamp(max=L - 1)].reshape(-1)[rows]]
+    if not getattr(seq, "target_written", True):       # no CE on text the target did not write
+        gt = torch.full_like(gt, logits.shape[-1])
     pt = pt_out = None
-    if kind in ("dspark", "eagle3"):
+    if kind == "eagle3" or loss != "ce":
         need = pos.reshape(-1)[rows]
         uniq, inverse = torch.unique(need, return_inverse=True)
+        assert model.target_lm_head is not None     # attach()ed, as forward_train above needs
         pu, ou = target_probs(seq.hidden[uniq], model.target_lm_head, model.draft_vocab, c.final_logit_softcap)
         pt, pt_out = pu[inverse], ou[inverse]
     cl = conf.reshape(-1).index_select(0, rows) if conf is not None else None
     if kind == "eagle3":
+        assert pt is not None and pt_out is not None    # computed above for eagle3
         return eagle3_loss(flat_logits, ks, pt, pt_out)
-    return drafter_loss(flat_logits, ks, weights, gt, pt, pt_out, cl)
+    ce_w, l1_w, kl_w = LOSSES[loss]
+    return drafter_loss(flat_logits, ks, weights, gt, pt, pt_out, cl, ce_weight=ce_w, l1_weight=l1_w, kl_weight=kl_w)
+
+
+@torch.no_grad()
+def heldout_signal(model: DSparkModel, seqs: list, max_anchors: int = 48) -> dict:
+    """Per source and block position: mean 1 - TV(p_d, p_t) and argmax agreement, teacher-forced,
+    over up to ``max_anchors`` evenly spaced anchors of each held-out sequence."""
+    g = model.config.block_size
+    was = model.training
+    model.eval()
+    sums: dict = {}
+    for seq in seqs:
+        cand = anchor_candidates(seq.loss_mask)
+        if cand.numel() == 0:
+            continue
+        anchors = cand[torch.linspace(0, cand.numel() - 1, min(max_anchors, cand.numel())).round().long().unique()]
+        L = seq.ids.shape[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not torch.cuda.is_available()):
+            _, logits, _ = model.forward_train(seq.features, seq.ids, anchors)
+        pos = anchors[:, None] + torch.arange(g)[None]
+        ok = (pos + 1 < L) & seq.loss_mask[(pos + 1).clamp(max=L - 1)]
+        need = pos.clamp(max=L - 1)
+        assert model.target_lm_head is not None     # attach()ed, as forward_train above needs
+        pt, pt_out = target_probs(seq.hidden[need.reshape(-1)], model.target_lm_head, model.draft_vocab,
+                                  model.config.final_logit_softcap)
+        pd = logits.float().softmax(-1).reshape(-1, logits.shape[-1])
+        accept = (1 - 0.5 * ((pd - pt).abs().sum(-1) + pt_out)).clamp(0, 1).view(-1, g)
+        top_t = (seq.hidden[need.reshape(-1)].to(model.target_lm_head.dtype) @ model.target_lm_head.T).argmax(-1)
+        agree = (model.draft_vocab[pd.argmax(-1)] == top_t).float().view(-1, g)
+        s = sums.setdefault(getattr(seq, "source", "regen"), [torch.zeros(g), torch.zeros(g), torch.zeros(g)])
+        s[0] += (accept * ok).sum(0)
+        s[1] += (agree * ok).sum(0)
+        s[2] += ok.sum(0)
+    model.train(was)
+    return {src: {"accept": (a / n.clamp_min(1)).tolist(), "argmax": (m / n.clamp_min(1)).tolist(),
+                  "rows": int(n[0])} for src, (a, m, n) in sums.items()}
 
 
 def _init_from_target(model, target, layer_ids: list) -> None:
@@ -203,9 +275,30 @@ def _dist():
     return 0, 1
 
 
+def _load_weights(model, folder) -> None:
+    """A saved drafter's (or checkpoint's) weights into ``model``, which must have its shapes."""
+    try:
+        state = load_file(str(Path(folder) / "model.safetensors"))
+    except Exception as e:  # noqa: BLE001 - any damage means the same thing to the user
+        raise UsageError(f"--init-weights {folder}: cannot read model.safetensors ({e})") from None
+    mine = model.state_dict()
+    bad = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
+    missing = [k for k in mine if k not in state]
+    if bad or missing:
+        raise UsageError(f"--init-weights {folder}: weights do not fit this drafter "
+                         f"(mismatched {bad[:3]}, missing {missing[:3]})")
+    model.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
+
+
 def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
-          draft_vocab: torch.Tensor | None = None, progress: bool = True, log=print) -> dict:
+          draft_vocab: torch.Tensor | None = None, heldout=None, progress: bool = True, log=print) -> dict:
+    """``heldout``: a source of held-out sequences for the held-out signal (with ``eval_every``)."""
     tcfg = tcfg or TrainConfig()
+    loss_name = tcfg.loss or ("ce" if drafter_config.kind == "dflash" else "tv")
+    if loss_name not in LOSSES:
+        raise UsageError(f"loss must be one of {', '.join(LOSSES)}, got {loss_name!r}")
+    if tcfg.schedule not in ("cosine", "wsd") or not 0 < tcfg.decay <= 1:
+        raise UsageError("schedule must be cosine or wsd, with decay in (0, 1]")
     # autocast leaves RMSNorm in fp32 weights over bf16 inputs; torch warns once per shape
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     rank, world = _dist()
@@ -223,12 +316,25 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     old = out / "checkpoint.old"
     if old.exists() and not ckpt.exists():     # killed between the two renames of a save
         old.rename(ckpt)
-    if ckpt.exists():
-        drafter_config = DrafterConfig.load(ckpt)
-        draft_vocab = load_file(str(ckpt / "model.safetensors"))["draft_vocab"]
+    if ckpt.exists() or tcfg.init_weights:
+        src = ckpt if ckpt.exists() else Path(cast(str, tcfg.init_weights))   # set: the condition above
+        saved = DrafterConfig.load(src)
+        if not ckpt.exists() and (saved.kind, saved.target_layer_ids) != (drafter_config.kind,
+                                                                          drafter_config.target_layer_ids):
+            raise UsageError(f"--init-weights {src}: a {saved.kind} drafter on layers {saved.target_layer_ids}, "
+                             f"not a {drafter_config.kind} on {drafter_config.target_layer_ids}")
+        drafter_config = saved if ckpt.exists() else drafter_config
+        try:
+            draft_vocab = load_file(str(src / "model.safetensors"))["draft_vocab"]
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"{src}: cannot read the draft vocabulary ({e})") from None
     model = model_class(drafter_config.kind)(drafter_config, draft_vocab)
     model.attach(target.model.embed, target.model.lm_head, init_mask=True)
-    if not ckpt.exists():
+    if not ckpt.exists() and tcfg.init_weights:
+        _load_weights(model, tcfg.init_weights)
+        if rank == 0:
+            log(f"weights from {tcfg.init_weights} (fresh optimizer)")
+    elif not ckpt.exists():
         model.backbone.feature_scale.copy_(feature_scale(source))
         if tcfg.init_layers:
             _init_from_target(model, target, tcfg.init_layers)
@@ -239,6 +345,7 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     steps_per_epoch = math.ceil(n / tcfg.batch_size)
     total = max(1, round(tcfg.epochs * steps_per_epoch))
     stop = min(total, tcfg.max_steps or total)
+    history: list[dict]
     step, history = 0, []
     if ckpt.exists():
         step, history = _load_checkpoint(ckpt, model, opt)
@@ -250,11 +357,30 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
         nparam = sum(p.numel() for p in params)
         log(f"train {kind}: {n} sequences, {source.num_tokens} tokens, {total} steps of {tcfg.batch_size} "
             f"sequences, {nparam / 1e6:.2f}M trainable parameters, draft vocab {model.config.draft_vocab_size}, "
-            f"{world} process(es)")
+            f"loss {loss_name}, {tcfg.schedule} schedule, {world} process(es)")
+    held_seqs = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and heldout is not None and tcfg.eval_every:
+        if hasattr(heldout, "prefetch"):
+            heldout.prefetch(range(len(heldout)))
+        held_seqs = [heldout[i] for i in range(len(heldout))]
+    anchors_seen = int(history[-1].get("anchors_seen", 0)) if history else 0
+
+    def signal():
+        rec = {"step": step, "anchors_seen": anchors_seen, "sources": heldout_signal(model, held_seqs)}
+        with open(out / "heldout.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        first = " ".join(f"{k} {v['accept'][0]:.3f}/{v['argmax'][0]:.3f}" for k, v in rec["sources"].items())
+        log(f"held-out at step {step} ({anchors_seen} anchors): position-1 accept/argmax {first}")
+
+    last_save = time.monotonic()
     from tqdm import tqdm
     bar = tqdm(total=stop, initial=step, unit="step", disable=not progress or rank != 0, dynamic_ncols=True)
     t0 = time.perf_counter()
     model.train()
+    if held_seqs is not None and step == 0:
+        signal()
     while step < stop:
         epoch, within = divmod(step, steps_per_epoch)
         order = list(range(n))
@@ -266,42 +392,52 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
             grp["lr"] = lr
         opt.zero_grad(set_to_none=True)
         sums: dict = {}
+        step_anchors = 0
+        if hasattr(source, "prefetch"):
+            source.prefetch(mine)
         for idx in mine:
             seq = source[idx]
             gen = torch.Generator().manual_seed(tcfg.seed * 1_000_003 + step * 10_007 + idx)
             anchors = sample_anchors(seq.loss_mask, tcfg.anchors, gen)
             if anchors.numel() == 0:
                 continue
+            step_anchors += anchors.numel()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not torch.cuda.is_available()):
-                loss, terms = sequence_loss(model, seq, anchors, weights, kind)
+                loss, terms = sequence_loss(model, seq, anchors, weights, kind, loss_name)
             (loss / len(batch)).backward()
             for k, v in terms.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        names = ("loss", "ce", "l1", "kl", "bce", "accept")
         if world > 1:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
-            t = torch.tensor([sums.get(k, 0.0) for k in ("loss", "ce", "l1", "bce", "accept")] + [len(mine)])
+            t = torch.tensor([sums.get(k, 0.0) for k in names] + [len(mine), step_anchors], dtype=torch.float64)
             dist.all_reduce(t)
-            sums = dict(zip(("loss", "ce", "l1", "bce", "accept"), t[:5].tolist()))
-            count = int(t[5])
+            sums = dict(zip(names, t[:len(names)].tolist()))
+            count, step_anchors = int(t[-2]), int(t[-1])
         else:
             count = len(mine)
+        anchors_seen += step_anchors
         gnorm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
         opt.step()
         step += 1
-        rec = {"step": step, "lr": lr, "grad_norm": float(gnorm),
+        rec = {"step": step, "lr": lr, "grad_norm": float(gnorm), "anchors_seen": anchors_seen,
                **{k: v / max(1, count) for k, v in sums.items() if v}}
         history.append(rec)
         bar.update(1)
         bar.set_postfix(loss=f"{rec.get('loss', 0):.3f}", acc=f"{rec.get('accept', 0):.3f}")
         if rank == 0 and (step % tcfg.log_every == 0 or step == stop):
             el = time.perf_counter() - t0
-            msg = " ".join(f"{k} {v:.4f}" for k, v in rec.items() if k not in ("step",))
+            msg = " ".join(f"{k} {v:.4f}" for k, v in rec.items() if k not in ("step", "anchors_seen"))
             bar.write(f"step {step}/{total} {msg} ({el:.0f}s)")
-        if rank == 0 and (step % tcfg.save_every == 0 or step == stop):
+        if held_seqs is not None and (step % tcfg.eval_every == 0 or step == stop):
+            signal()
+        due = time.monotonic() - last_save >= 60 * tcfg.save_minutes
+        if rank == 0 and (step % tcfg.save_every == 0 or step == stop or due):
             _save_checkpoint(ckpt, model, opt, step, history, tcfg)
+            last_save = time.monotonic()
     bar.close()
     if rank == 0 and step >= total:
         model.save(out)
