@@ -16,6 +16,13 @@ it at once, and requests wait in a queue while every slot is taken. With ``prefi
 slot's entries stay valid until the slot is taken again, and a request whose prompt starts with
 what a free slot holds takes that slot and prefills only the rest, or copies what a request in
 flight has computed of it (runtime/prefix_cache.py).
+
+With ``isolate_failures`` (the server's engine), a failure while serving one request (its
+grammar, its sampling settings, its log probabilities, its ``on_tokens`` callback, its drafts) ends
+that request alone: status "failed", finish_reason "error", the reason in ``Request.error``; the
+others and the engine go on, and only a failure of what all share (the policy, the target's
+forward) leaves ``step`` with an exception. Without it (batch generation, which has no one to
+tell), any failure leaves ``step`` with its exception.
 """
 
 from __future__ import annotations
@@ -57,8 +64,9 @@ class Request:
     grammar: GrammarState | None = None   # structured.GrammarState: the tokens allowed next, or None
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
-    status: str = "waiting"               # waiting | running | finished | cancelled
-    finish_reason: str | None = None      # stop | length | cancelled
+    status: str = "waiting"               # waiting | running | finished | cancelled | failed
+    finish_reason: str | None = None      # stop | length | cancelled | error
+    error: str | None = None              # failed: what went wrong serving it
     stats: GenerationStats = field(default_factory=GenerationStats)
     slot: int | None = None
     prefilled: int = 0
@@ -73,14 +81,14 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.status in ("finished", "cancelled")
+        return self.status in ("finished", "cancelled", "failed")
 
 
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
                  prefill_chunk: int = 2048, eos_ids=(), padded: bool = False, cost_table=None,
-                 prefix_caching: bool = False, prefix_min_match: int = 16):
+                 prefix_caching: bool = False, prefix_min_match: int = 16, isolate_failures: bool = False):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
         self.target = target
@@ -103,6 +111,7 @@ class Engine:
         self.step_seconds = 0.0     # wall time inside step()
         self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
         self._decode_only = False   # the step running decodes without prefilling (its time goes to the policy)
+        self.isolate_failures = isolate_failures   # a failure serving one request ends it alone (see above)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
@@ -189,17 +198,30 @@ class Engine:
             out.append((r.slot, seq, r.prompt_ids if r.ctx is None else None))
         return out
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, keep: bool = True) -> None:
         if req in self.running:
             self.running.remove(req)
         if req.slot is not None:
-            if self.prefix is not None:   # entries past the output (drafts after a stop) are not kept
+            if self.prefix is not None and keep:   # entries past the output (drafts after a stop) are not kept
                 seq = req.prompt_ids + req.output_ids
                 self.prefix.keep(req.slot, seq[:min(self.cache.lengths[req.slot], len(seq))])
             self.cache.free(req.slot)
             req.slot = None
         if req.ctx is not None:
             self.drafter.release(req.ctx)
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        """A failure serving ``req`` alone: with ``isolate_failures`` it ends ``req`` (status "failed",
+        finish_reason "error"; its cache entries are not kept for prefix caching; the caller reports
+        it among the step's ended), else it goes on up (called in an ``except`` block)."""
+        if not self.isolate_failures:
+            raise e
+        req.error = f"{type(e).__name__}: {e}"
+        released = req.done
+        req.status = "failed"
+        req.finish_reason = req.stats.finish_reason = "error"
+        if not released:
+            self._release(req, keep=False)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
@@ -224,6 +246,10 @@ class Engine:
         prefill = [r for r in self.running if r.ctx is None]
 
         proposals = self._draft(decode)
+        failed = [r for r in decode if r.done]      # its drafting failed: it ended alone
+        if failed:
+            kept = [i for i, r in enumerate(decode) if not r.done]
+            decode, proposals = [decode[i] for i in kept], [proposals[i] for i in kept]
 
         ids: list[int] = []
         segments: list[tuple[int, int]] = []
@@ -261,6 +287,8 @@ class Engine:
             if completes:
                 rows.append(len(ids) - 1)
             chunks.append((r, start, n, scored, completes))
+        if not ids:
+            return failed
         self._decode_only = bool(decode) and not chunks
         wanted = self.drafter.feature_layers
         out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache, feature_layers=wanted,
@@ -273,7 +301,7 @@ class Engine:
                 if self.prefix is not None:
                     assert r.slot is not None   # a running request holds a slot
                     self.prefix.store_features(r.slot, r.prefilled - n, feats[start:start + n])
-        ended = []
+        ended = failed
         at = 0
         for r, p, sent, start in zip(decode, proposals, seg_len, seg_start):
             assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
@@ -281,7 +309,12 @@ class Engine:
             l = len(p)
             logits = out.logits[at:at + l + 1]     # raw: what log probabilities report
             at += l + 1
-            n, nxt = verify(p.tokens, p.probs, self._law(r, logits, p.tokens), r.params, r.generator)
+            try:
+                n, nxt = verify(p.tokens, p.probs, self._law(r, logits, p.tokens), r.params, r.generator)
+            except Exception as e:     # its grammar, its sampling settings: it alone ends
+                self._fail(r, e)
+                ended.append(r)
+                continue
             self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
             if feats is not None:
                 r.ctx.features.append(feats[start:start + n + 1])
@@ -302,21 +335,26 @@ class Engine:
             if self._emit(r, p.tokens[:n].tolist() + [nxt], logits):
                 ended.append(r)
         for r, _, n, scored, completes in chunks:
-            if scored:      # row j of the chunk predicts the prompt's next token
-                # scored rows: asked for, and only with prompt_logprobs
-                assert out.logits is not None and r.prompt_logprobs is not None
-                first_pos = r.prefilled - n + 1
-                r.prompt_logprobs_out.extend(token_logprobs(
-                    out.logits[at:at + scored], r.prompt_ids[first_pos:first_pos + scored], r.prompt_logprobs))
-                at += scored
-            if not completes:
+            first_row, at = at, at + scored + int(completes)   # its rows: the scored ones, then the last
+            try:
+                if scored:      # row j of the chunk predicts the prompt's next token
+                    # scored rows: asked for, and only with prompt_logprobs
+                    assert out.logits is not None and r.prompt_logprobs is not None
+                    first_pos = r.prefilled - n + 1
+                    r.prompt_logprobs_out.extend(token_logprobs(
+                        out.logits[first_row:first_row + scored], r.prompt_ids[first_pos:first_pos + scored],
+                        r.prompt_logprobs))
+                if not completes:
+                    continue
+                assert out.logits is not None   # a completed prompt's last row was asked for
+                first, _ = sample_from_logits(self._law(r, out.logits[at - 1:at])[0], r.params, r.generator)
+            except Exception as e:     # its grammar, its sampling settings: it alone ends
+                self._fail(r, e)
+                ended.append(r)
                 continue
-            assert out.logits is not None   # a completed prompt's last row was asked for
-            first, _ = sample_from_logits(self._law(r, out.logits[at:at + 1])[0], r.params, r.generator)
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features,
                                  grammar=r.grammar)
-            at += 1
             if self._emit(r, [int(first)], out.logits[at - 1:at]):
                 ended.append(r)
         return ended
@@ -362,7 +400,7 @@ class Engine:
             if ctxs[i].num_draft > 0:
                 active.append(i)
         if active:
-            got = self.drafter.propose([ctxs[i] for i in active])
+            got = self._propose([decode[i] for i in active])
             for i, p in zip(active, got):
                 proposals[i] = p.truncate(ctxs[i].num_draft)
         t0 = time.perf_counter()
@@ -370,21 +408,51 @@ class Engine:
         self.policy_seconds += time.perf_counter() - t0
         out = [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
         for i, r in enumerate(decode):
-            if r.grammar is None:
+            if r.grammar is None or r.done:
                 continue
-            # jump-forward: what the grammar forces, unless the block starts with it
-            forced = r.grammar.forced(min(self.block_size, r.max_new_tokens - len(r.output_ids) - 1))
-            if forced and out[i].tokens[:len(forced)].tolist() != forced:
-                out[i] = Proposal(torch.tensor(forced, dtype=torch.long), free=True, forced=True)
-            elif len(out[i]) and out[i].probs is None:
-                # point masses (a lookup's) end before their first forbidden token: verified, it would be
-                # rejected for certain and the target's token drawn from its own law, as it is now
-                out[i] = out[i].truncate(r.grammar.valid_prefix(out[i].tokens.tolist()))
+            try:
+                # jump-forward: what the grammar forces, unless the block starts with it
+                forced = r.grammar.forced(min(self.block_size, r.max_new_tokens - len(r.output_ids) - 1))
+                if forced and out[i].tokens[:len(forced)].tolist() != forced:
+                    out[i] = Proposal(torch.tensor(forced, dtype=torch.long), free=True, forced=True)
+                elif len(out[i]) and out[i].probs is None:
+                    # point masses (a lookup's) end before their first forbidden token: verified, it would be
+                    # rejected for certain and the target's token drawn from its own law, as it is now
+                    out[i] = out[i].truncate(r.grammar.valid_prefix(out[i].tokens.tolist()))
+            except Exception as e:     # its grammar: it alone ends
+                self._fail(r, e)
+        return out
+
+    def _propose(self, reqs: list[Request]) -> list[Proposal]:
+        """The drafter's proposals for these requests, in one call; if that call fails (with
+        ``isolate_failures``), one call per request, so that a failure drafting for one (its grammar,
+        its sampling settings) ends that one alone (an empty proposal in its place)."""
+        ctxs = cast(list[DraftContext], [r.ctx for r in reqs])
+        try:
+            return self.drafter.propose(ctxs)
+        except Exception:
+            if not self.isolate_failures:
+                raise
+        out = []
+        for r, c in zip(reqs, ctxs):
+            try:
+                out.append(self.drafter.propose([c])[0])
+            except Exception as e:
+                self._fail(r, e)
+                out.append(Proposal.empty())
         return out
 
     def _emit(self, r: Request, tokens: list[int], logits: torch.Tensor) -> bool:
         """Append emitted tokens (cut at a stop token or the length limit; ``logits``: the target's
-        rows they were drawn from); True if r ended."""
+        rows they were drawn from); True if r ended. A failure here (its log probabilities, its
+        grammar refusing a token, its ``on_tokens``) ends r alone."""
+        try:
+            return self._append(r, tokens, logits)
+        except Exception as e:
+            self._fail(r, e)
+            return True
+
+    def _append(self, r: Request, tokens: list[int], logits: torch.Tensor) -> bool:
         for i, t in enumerate(tokens):
             if t in r.stop_ids:
                 tokens = tokens[:i + 1]

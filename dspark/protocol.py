@@ -2,15 +2,17 @@
 side of a response: incremental detokenisation with stop strings.
 
 Fields the engine cannot honour are refused with a clear 400 rather than ignored: tools, and any
-field the API does not define. Structured outputs (OpenAI's ``response_format`` json_object /
-json_schema, vLLM's ``structured_outputs`` json / regex / choice / grammar) restrict the law to what
-the grammar allows (structured.py). vLLM's extensions ``top_k``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the logit bias, penalties and
-``min_tokens`` define the distribution the output follows (the target's processed logits), which
-speculative decoding reproduces exactly. Log
-probabilities are the target's own (log-softmax of its raw logits, before temperature and
-truncation: vLLM's default ``raw_logprobs``), whatever drafted the tokens; ``echo`` with
-``logprobs`` also scores the prompt's tokens (the first has none), as evaluation harnesses ask.
+field the API does not define. Types are strict (no ``true`` for a token id, no ``"yes"`` for a
+boolean), strings must be valid Unicode (no lone surrogate, which a JSON body can spell
+``"\\ud800"``), and a seed must fit the generator of every choice. Structured outputs (OpenAI's
+``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` json / regex / choice /
+grammar) restrict the law to what the grammar allows (structured.py). vLLM's extensions ``top_k``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` are accepted; the logit
+bias, penalties and ``min_tokens`` define the distribution the output follows (the target's
+processed logits), which speculative decoding reproduces exactly. Log probabilities are the
+target's own (log-softmax of its raw logits, before temperature and truncation: vLLM's default
+``raw_logprobs``), whatever drafted the tokens; ``echo`` with ``logprobs`` also scores the prompt's
+tokens (the first has none), as evaluation harnesses ask.
 """
 
 from __future__ import annotations
@@ -18,22 +20,67 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from .sampling import MAX_SEED
 
 MAX_N = 16          # choices per request
 MAX_STOPS = 16      # stop strings per request
 MAX_LOGPROBS = 20   # most likely tokens returned per position (OpenAI's limit for chat)
 TokenId = Annotated[int, Field(ge=0)]
+# every model: unknown fields refused, strict types (a JSON true is no token id, "yes" no boolean)
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _lone_surrogate(value, path: str = "") -> str | None:
+    """Where in a JSON value a string (or a key) holds a lone surrogate, which no UTF-8 encodes
+    (a tokenizer, a grammar compiler, a log line all fail on it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")       # fails on a surrogate alone
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and _lone_surrogate(k) is not None:
+                return where.encode("utf-8", "backslashreplace").decode()   # the key itself, escaped
+            found = _lone_surrogate(v, where)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: strict types, unknown fields refused, valid Unicode everywhere."""
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        where = _lone_surrogate(data)
+        if where is not None:
+            # ctx.field: the server's error handler names it as the error's param
+            raise PydanticCustomError("lone_surrogate", "{field}: a string holds a lone surrogate (not valid "
+                                      "Unicode)", {"field": where})
+        return data
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class JsonSchema(BaseModel):
     """OpenAI's ``response_format.json_schema``."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str = "response"
     description: str | None = None
     schema_: dict = Field(default_factory=dict, alias="schema")
@@ -41,7 +88,7 @@ class JsonSchema(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -54,7 +101,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one constraint."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -67,17 +114,16 @@ class StructuredOutputs(BaseModel):
         return self
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields shared by both endpoints."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1, description="vLLM extension: 0 or -1 = off")
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=0, description="choice i of a request samples with seed + i")
+    seed: int | None = Field(None, ge=0, description="choice i of a request samples with seed + i, "
+                                                     "at most 2**64 - 1")
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -119,13 +165,27 @@ class _Sampling(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v, info: ValidationInfo):
+        n = info.data.get("n", 1)       # n comes first: choice i samples with seed + i
+        if v is not None and v + n - 1 > MAX_SEED:
+            raise ValueError(f"must be at most 2**64 - n = {MAX_SEED + 1 - n} (choice i samples with seed + i)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            # ASCII digits only: int() also takes "²", " 7", "1_0" and other digits; 18 digits at most
+            if not (k.isascii() and k.isdigit() and len(k) <= 18):
+                raise ValueError(f"keys must be token ids (decimal digits), got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {b}")
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self):
-        for k, v in (self.logit_bias or {}).items():
-            if not k.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
-            if not -100 <= v <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {v}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -170,13 +230,13 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -222,9 +282,8 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages through the chat template."""
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -239,8 +298,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
 

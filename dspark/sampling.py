@@ -15,6 +15,8 @@ import torch
 
 from .errors import UsageError
 
+MAX_SEED = 2 ** 64 - 1   # torch.Generator.manual_seed takes 0 .. 2**64 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -51,8 +53,9 @@ class SamplingParams:
             raise UsageError(f"top-k must be an integer >= -1 (0 or -1 = off), got {k!r}")
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise UsageError(f"top-p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise UsageError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise UsageError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -12,8 +12,10 @@ away (a closed stream, a dropped connection) cancels its requests and frees thei
 
 Errors come back in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed or unsupported request (the message names the field), 401 without the API key when one
-is set, 404 for another model's name; a failure inside the engine fails the requests in flight
-with a 500 (or an error event in a stream) and the server goes on.
+is set, 404 for another model's name, 500 for a failure (the OpenAPI schema documents these, not
+FastAPI's 422). A failure while serving one request (its grammar, its sampling, its text) ends that
+request alone with a 500 or an error event in its stream; only a failure of the step shared by all
+(the target's forward) fails every request in flight. Either way the server goes on.
 """
 
 from __future__ import annotations
@@ -33,15 +35,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine
 from .errors import DsparkError
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
                        chat_messages)
 from .sampling import SamplingParams
+from .structured import check as check_grammar
 from .structured import grammar_state
 
 if TYPE_CHECKING:
@@ -58,8 +65,45 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+        return JSONResponse({"error": {"message": _text(self.message), "type": self.type,
+                                       "param": None if self.param is None else _text(self.param),
                                        "code": self.code}}, status_code=self.status)
+
+
+def _text(s: str) -> str:
+    """One line, valid UTF-8 (lone surrogates escaped), at most 1000 characters: safe in a JSON
+    response or an event whatever an exception's text holds."""
+    s = " ".join(str(s).split()).encode("utf-8", "backslashreplace").decode()
+    return s if len(s) <= 1000 else s[:997] + "..."
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in the OpenAI API's shape."""
+    error: ErrorBody
+
+
+_ERRORS = {400: "a malformed or unsupported request; the message names the field",
+           401: "no or a wrong API key (only with --api-key)", 404: "another model's name",
+           500: "a failure serving this request; the server goes on"}
+
+
+def _errors(*codes: int) -> dict:
+    """The error responses a route documents in the OpenAPI schema (what it sends)."""
+    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
+
+
+def _param(loc) -> str:
+    """A pydantic error location as the field it names: without "body" and without the tags of a
+    union's members ("str", "list[int]", a model's name)."""
+    return ".".join(str(x) for x in loc if x != "body" and not (
+        isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "none") or x[:1].isupper())))
 
 
 class Metrics:
@@ -136,6 +180,7 @@ class EngineWorker:
 
     def __init__(self, engine: Engine, metrics: Metrics):
         self.engine = engine
+        engine.isolate_failures = True   # a failure serving one request ends it alone, with an error event
         self.metrics = metrics
         self._commands: deque = deque()
         self._wake = threading.Condition()
@@ -194,13 +239,13 @@ class EngineWorker:
                 continue
             try:
                 ended = eng.step()
-            except Exception as e:       # fail what is in flight, keep serving
+            except Exception as e:       # the step shared by all failed: fail what is in flight, keep serving
                 log.error("engine step failed: %s", traceback.format_exc())
                 for job in list(self._jobs.values()):
                     assert job.request is not None   # a job in _jobs was added to the engine
                     eng.cancel(job.request)
                     self._jobs.pop(job.request.id, None)
-                    job.sink(("error", f"engine failure: {type(e).__name__}: {e}"))
+                    job.sink(("error", _text(f"engine failure: {type(e).__name__}: {e}")))
                 ended = []
             self.metrics.steps.inc()
             if eng.prefix is not None:
@@ -225,8 +270,10 @@ class EngineWorker:
                                                   stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs,
                                                   prompt_logprobs=job.prompt_logprobs, min_tokens=job.min_tokens,
                                                   grammar=job.grammar)
-        except DsparkError as e:
-            job.sink(("error", str(e)))
+        except Exception as e:      # this request alone fails (the door checks what it can)
+            if not isinstance(e, DsparkError):
+                log.error("adding a request failed: %s", traceback.format_exc())
+            job.sink(("error", _text(str(e) if isinstance(e, DsparkError) else f"{type(e).__name__}: {e}")))
             return
         self._jobs[job.request.id] = job
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -235,7 +282,11 @@ class EngineWorker:
         assert job.request is not None   # only a job the engine took ends
         self._jobs.pop(job.request.id, None)
         self.metrics.latency.observe(time.perf_counter() - job.t_submit)
-        job.sink(("end", reason))
+        if reason == "error":       # the engine ended this request alone on a failure serving it
+            log.error("request %d failed: %s", job.request.id, job.request.error)
+            job.sink(("error", _text(f"request failed: {job.request.error}")))
+        else:
+            job.sink(("end", reason))
 
 
 @dataclass
@@ -307,16 +358,24 @@ class Server:
         return list(prompt)
 
     def grammar(self, body) -> str | None:
-        """The request's structured-output constraint compiled (once for all its choices), or None."""
+        """The request's structured-output constraint compiled (once for all its choices) and
+        checked against the parser limits on this target's tokenizer (structured.check), or None.
+        Blocks for up to a few seconds on a pathological grammar: handlers run it in a thread."""
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
         try:
             spec = body.grammar_spec()
-            return None if spec is None else spec.compile()
+            if spec is None:
+                return None
+            text = spec.compile()
+            check_grammar(self.target, text, spec.kind)
+            return text
         except (ValueError, DsparkError) as e:
-            raise ApiError(400, str(e), param=param) from None
+            raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def start(self, prompts: list[list[int]], body, max_tokens: int | None) -> tuple[list[_Choice], asyncio.Queue]:
-        """Submit n choices per prompt; their events arrive on the returned queue as (index, event)."""
+    def start(self, prompts: list[list[int]], body, max_tokens: int | None,
+              grammar: str | None = None) -> tuple[list[_Choice], asyncio.Queue]:
+        """Submit n choices per prompt; their events arrive on the returned queue as (index, event).
+        ``grammar``: the request's, from ``grammar``."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         limits = [self.limit(p, max_tokens) for p in prompts]      # all checked before any is submitted
@@ -327,7 +386,6 @@ class Server:
         bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
         if any(t >= vocab for t, _ in bias):
             raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {vocab}", param="logit_bias")
-        grammar = self.grammar(body)
         choices = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
@@ -338,7 +396,7 @@ class Server:
                                             frequency_penalty=body.frequency_penalty,
                                             repetition_penalty=body.repetition_penalty, logit_bias=bias)
                 except DsparkError as e:
-                    raise ApiError(400, str(e)) from None
+                    raise ApiError(400, str(e), param="seed" if "seed" in str(e) else None) from None
                 index = pi * body.n + j
 
                 def sink(ev, i=index):
@@ -371,7 +429,7 @@ class Server:
                     raise ApiError(500, ev[1], "internal_error")
                 if ev[0] == "tokens":
                     _, ids, lps = ev
-                    text = ch.text.add(ids)
+                    text = _decoded(ch.text.add, ids)
                     kept = ch.text.kept            # the tokens after a stop string do not count
                     ch.tokens += kept
                     new = [(t, *lp) for t, lp in zip(ids[:kept], lps)] if lps is not None else []
@@ -387,7 +445,7 @@ class Server:
                     ch.finish_reason = "length" if ev[1] == "length" else "stop"
                     live -= 1
                     self.metrics.finished.labels(finished_reason=ch.finish_reason).inc()
-                    yield ch, ch.text.finish(), []
+                    yield ch, _decoded(ch.text.finish), []
         finally:
             for ch in choices:
                 if ch.finish_reason is None:
@@ -450,6 +508,17 @@ class Server:
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
+def _decoded(fn, *args) -> str:
+    """The text ``fn`` (a TextStream's add or finish) decodes; a failure there (this request's
+    tokens, the tokenizer) ends this request alone, with a 500 or an error event."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        log.error("detokenising failed: %s", traceback.format_exc())
+        raise ApiError(500, f"request failed: detokenising its output: {type(e).__name__}: {e}",
+                       "internal_error") from None
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -486,7 +555,12 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                     lp = logprobs(ch, entries) if asked and entries else None
                     yield _sse(chunk(ch, delta(text), ch.finish_reason, lp))
             except ApiError as e:
-                yield _sse({"error": {"message": e.message, "type": e.type, "param": None, "code": None}})
+                yield _sse({"error": {"message": _text(e.message), "type": e.type, "param": None, "code": None}})
+                return
+            except Exception as e:      # a bug formatting this response: it ends with an error event
+                log.error("streaming failed: %s", traceback.format_exc())
+                yield _sse({"error": {"message": _text(f"{type(e).__name__}: {e}"), "type": "internal_error",
+                                      "param": None, "code": None}})
                 return
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({**head, "object": chunk_obj, "choices": [], "usage": srv.usage(choices)})
@@ -518,21 +592,51 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
     app.state.server = srv
 
+    def openapi():
+        """FastAPI's schema with the status codes the server sends: errors are 400 (and 401, 404,
+        500) in the OpenAI shape, never FastAPI's 422 with its validation-error body."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi   # type: ignore[method-assign]
+
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):   # an unknown route, a body that is not UTF-8 ...
+        if e.status_code == 400:
+            return ApiError(400, "the request body is not valid JSON").response()
+        return ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                        else "internal_error").response()
+
+    @app.exception_handler(Exception)
+    async def _failure(request, e: Exception):     # a bug: still an OpenAI-shaped 500, and logged
+        log.error("request failed: %s", "".join(traceback.format_exception(e)))
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         msgs, params = [], []
         for err in e.errors()[:4]:
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            loc = _param(err.get("loc", ()))
             if err.get("type") == "json_invalid":
                 return ApiError(400, "the request body is not valid JSON").response()
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
             if err.get("type") == "extra_forbidden":
                 msgs.append(f"unknown field {loc!r}")
+            elif err.get("type") == "lone_surrogate":     # a model-level check: the field is in its context
+                loc = err["ctx"]["field"]
+                msgs.append(msg)
             else:
-                msgs.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid request"))
+                msgs.append(f"{loc}: {msg}" if loc else msg)
             params.append(loc)
         return ApiError(400, "; ".join(msgs) or "invalid request", param=params[0] if params else None).response()
 
@@ -553,12 +657,12 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     async def metrics():
         return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
         return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
                                             "owned_by": "dspark", "max_model_len": engine.cache.max_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, 404, 500))
     async def tokenize(body: TokenizeRequest):
         srv.check(body)
         if body.prompt is not None:
@@ -569,28 +673,31 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.cache.max_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, 404, 500))
     async def detokenize(body: DetokenizeRequest):
         srv.check(body)
         srv.prompt_ids(body.tokens)     # the ids are checked against the vocabulary
         return {"prompt": srv.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_errors(400, 401, 404, 500))
     async def completions(body: CompletionRequest, request: Request):
         srv.check(body)
         prompts = [srv.prompt_ids(p) for p in body.prompt]
         echo = [srv.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
-        choices, queue = srv.start(prompts, body, body.max_tokens)
+        grammar = await run_in_threadpool(srv.grammar, body)
+        choices, queue = srv.start(prompts, body, body.max_tokens, grammar)
         return await _respond(srv, body, request, choices, queue, "cmpl", "text_completion", "text_completion",
                               delta=lambda text: {"text": text},
                               opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
                               whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output},
                               logprobs=srv.completion_logprobs)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(400, 401, 404, 500))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         srv.check(body)
-        choices, queue = srv.start([srv.chat_ids(body.chat())], body, body.token_limit)
+        ids = srv.chat_ids(body.chat())
+        grammar = await run_in_threadpool(srv.grammar, body)
+        choices, queue = srv.start([ids], body, body.token_limit, grammar)
         return await _respond(srv, body, request, choices, queue, "chatcmpl", "chat.completion",
                               "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
                               opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],

@@ -16,6 +16,11 @@ drafter samples each drafted position from what the grammar allows after its dra
 Where the grammar forces the next tokens (jump-forward decoding), the engine proposes those
 instead of the drafter's block unless the block starts with them: a proposal chosen from the
 grammar's state alone, verified as any other.
+
+Every matcher runs under llguidance's parser limits (``parser_limits``: its default fuel and size
+budgets, short error messages); a server checks a request's grammar against them before admitting
+it (``check``), so that a grammar too complex for them is refused at the door rather than failing
+its request at some token.
 """
 
 from __future__ import annotations
@@ -29,6 +34,15 @@ import torch
 from .errors import UsageError
 
 KINDS = ("json", "regex", "choice", "grammar")
+CHECK_STEPS = 8      # mask computations the door check runs (the first token and what follows it)
+
+
+def parser_limits():
+    """llguidance's limits every matcher runs under: its default fuel and size budgets (lexer fuel
+    for the initial regexes and per mask, Earley items per mask, lexer states, grammar size), and
+    one-line errors (the verbose ones carry a dump of the parser's state and the grammar)."""
+    from llguidance import LLParserLimits
+    return LLParserLimits(verbose_errors=False)
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,36 @@ class GrammarSpec:
 
 
 def _one_line(message: str) -> str:
-    return " ".join(message.split())
+    return " ".join(message.replace("<non-verbose/>", "").split())
+
+
+def check(target, grammar: str, kind: str = "grammar") -> None:
+    """Refuse (UsageError) a compiled grammar that llguidance rejects or that exceeds the parser
+    limits on this target's tokenizer: validated with the tokenizer and the limits, then a matcher
+    takes up to CHECK_STEPS steps the way decoding would (the first mask, then the tokens the
+    grammar forces or else the first allowed one), which builds the lexer states the first tokens
+    need (a regex such as ``(a{1000}){1000}`` compiles, then fails there). The first mask of such a
+    grammar can take seconds (a server runs this off its event loop); a failure further on ends its
+    request alone (engine.py, ``isolate_failures``)."""
+    from llguidance import LLMatcher
+    tokenizer = grammar_tokenizer(target)
+    bad, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
+    if bad:
+        raise UsageError(f"invalid {kind}: {_one_line('; '.join(messages))}")
+    state = GrammarState(tokenizer, grammar, target.model.config.vocab_size, target.eos_token_ids)
+    m = state.matcher
+    for _ in range(CHECK_STEPS):
+        allowed = state.allowed_now()
+        if m.is_error() or m.is_stopped():
+            break
+        step = list(m.compute_ff_tokens()[:16])
+        if not step:
+            free = (allowed & ~state.end).nonzero()
+            step = [int(free[0])] if len(free) else []
+        if not step or not m.consume_tokens(step):
+            break
+    if m.is_error():
+        raise UsageError(f"{kind} fails in the grammar engine on its first tokens: {_one_line(m.get_error())}")
 
 
 def grammar_tokenizer(target):
@@ -96,9 +139,9 @@ class GrammarState:
 
     def __init__(self, tokenizer, grammar: str, vocab_size: int, end_ids):
         from llguidance import LLMatcher
-        self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        self.matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if self.matcher.is_error():
-            raise UsageError(f"invalid grammar: {self.matcher.get_error()}")
+            raise UsageError(f"invalid grammar: {_one_line(self.matcher.get_error())}")
         self.vocab_size = vocab_size
         self.end = torch.zeros(vocab_size, dtype=torch.bool)
         self.end[list(end_ids)] = True
