@@ -3,10 +3,14 @@
 A synthetic target and drafter over a 4-token vocabulary, both context dependent, generate
 3-token sequences through rounds of (draft l tokens, verify); the joint distribution of the
 sequences must equal the target's own autoregressive distribution after temperature / top-k /
-top-p. A deliberately biased verifier must fail the same test.
+top-p. A deliberately biased verifier must fail the same test. The batched verifier (every request
+of a step in one call) must give the per-request one's answers bit for bit, with one host
+synchronisation.
 """
 
+import functools
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from dspark.sampling import SamplingParams, probs_from_logits, sample
-from dspark.verify import verify, verify_greedy, verify_probs
+from dspark.verify import stack_requests, target_rows, verify, verify_batch, verify_greedy, verify_probs
 
 V, SEQ, DRAWS = 4, 3, 24000
 
@@ -28,12 +32,29 @@ def _table(seed):
 TARGET, DRAFT = _table(0), _table(1)
 
 
+@functools.cache
+def _draft_law(prefix, dparams):
+    """The drafter's law after ``prefix`` (computed once: the rollouts ask for it again and again)."""
+    return probs_from_logits(DRAFT[prefix], dparams)
+
+
+def _verify_batched(draft_tokens, draft_probs, target_logits, params, gen):
+    """``verify``'s signature, through verify_batch (a batch of one request)."""
+    out = verify_batch(*stack_requests([(draft_tokens, draft_probs, target_rows(target_logits, params),
+                                         params.greedy, gen)]))
+    assert out[0] is not None
+    return out[0]
+
+
+VERIFIERS = pytest.mark.parametrize("verifier", [verify, _verify_batched], ids=["per_request", "batched"])
+
+
 def _rollout(tparams, dparams, l, gen, verifier, point_mass=False):
     out = []
     while len(out) < SEQ:
         drafts, qs = [], []
         for _ in range(l):
-            q = probs_from_logits(DRAFT[tuple(out + drafts)], dparams)
+            q = _draft_law(tuple(out + drafts), dparams)
             if point_mass:
                 x = int(q.argmax())
             else:
@@ -81,13 +102,15 @@ SETTINGS = [
 ]
 
 
+@VERIFIERS
 @pytest.mark.parametrize("tparams,dparams,l", SETTINGS)
-def test_verifier_keeps_target_distribution(tparams, dparams, l):
-    assert _chi2(tparams, dparams, l, verify) > 1e-3
+def test_verifier_keeps_target_distribution(tparams, dparams, l, verifier):
+    assert _chi2(tparams, dparams, l, verifier) > 1e-3
 
 
-def test_point_mass_drafts_keep_target_distribution():
-    assert _chi2(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), 2, verify,
+@VERIFIERS
+def test_point_mass_drafts_keep_target_distribution(verifier):
+    assert _chi2(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), 2, verifier,
                  point_mass=True) > 1e-3
 
 
@@ -131,3 +154,144 @@ def test_zero_mass_residual_falls_back_to_target():
 def test_wrong_number_of_target_rows():
     with pytest.raises(ValueError):
         verify(torch.tensor([1]), None, torch.zeros(1, 3), SamplingParams(), None)
+
+
+# ------------------------------------------------------------------------------------ batched
+LAWS = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)]
+
+
+def _case(rng, vocab, g):
+    """One request's (drafts, their probabilities or None, target logits, settings, what it tests)."""
+    l = rng.choice([0, 0, 1, 2, 3, 5])
+    params = rng.choice(LAWS)
+    kind = rng.choice(["probs", "point mass", "probs", "zero residual"])
+    logits = torch.randn(l + 1, vocab, generator=g) * rng.choice([0.5, 2.0, 6.0])
+    p = probs_from_logits(logits, params if not params.greedy else SamplingParams())
+    if kind == "point mass":     # mostly the target's likeliest token, so that some are accepted
+        drafts = [int(p[k].argmax()) if rng.random() < 0.7 else rng.randrange(vocab) for k in range(l)]
+        return torch.tensor(drafts, dtype=torch.long), None, logits, params, kind
+    q = probs_from_logits(torch.randn(l, vocab, generator=g), rng.choice(LAWS[1:])) if l else torch.zeros(0, vocab)
+    drafts = [int(sample(q[k], g)) for k in range(l)]
+    if kind == "zero residual" and l and bool((p[0] == 0).any()):
+        # q == p at a draft p gives probability 0: rejected for certain, and the residual has no mass
+        q[0] = p[0]
+        drafts[0] = int((p[0] == 0).nonzero()[0, 0])
+    else:
+        kind = "probs"
+    return torch.tensor(drafts, dtype=torch.long), q, logits, params, kind
+
+
+def test_batched_verification_equals_the_per_request_one_bit_for_bit():
+    """verify_batch on seeded random steps (1 - 6 requests mixing lengths 0 - 5, greedy and sampled
+    rows, draft probabilities and point masses, top-k / top-p laws, residuals with no mass): the same
+    (n, token) per request as ``verify`` from the same generator states, which it leaves as
+    ``verify`` does (the next draw agrees too)."""
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for step in range(300):
+        vocab = rng.choice([3, 5, 40])
+        cases = [_case(rng, vocab, g) for _ in range(rng.randrange(1, 7))]
+        mine = [torch.Generator().manual_seed(1000 * step + i) for i in range(len(cases))]
+        ref = [torch.Generator().manual_seed(1000 * step + i) for i in range(len(cases))]
+        want = [verify(x, q, logits, params, r) for (x, q, logits, params, _), r in zip(cases, ref)]
+        got = verify_batch(*stack_requests([(x, q, target_rows(logits, params), params.greedy, m)
+                                            for (x, q, logits, params, _), m in zip(cases, mine)]))
+        assert got == want, f"step {step}"
+        for m, r in zip(mine, ref):
+            assert torch.equal(m.get_state(), r.get_state()), f"step {step}: the random streams parted"
+        for (x, _, _, params, kind), (n, _) in zip(cases, want):
+            seen.add(("greedy" if params.greedy else kind, len(x) == 0, n == len(x)))
+    for kind in ("greedy", "probs", "point mass"):
+        assert {(kind, False, False), (kind, False, True), (kind, True, True)} <= seen, kind
+    assert ("zero residual", False, False) in seen
+
+
+def test_batched_verification_fails_a_request_whose_law_holds_nan_alone():
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(3, 5, generator=g) for _ in range(3)]
+    logits[1][2, 3] = float("nan")
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
+    drafts = torch.tensor([1, 2])
+    mine = [torch.Generator().manual_seed(i) for i in range(3)]
+    ref = [torch.Generator().manual_seed(i) for i in range(3)]
+    got = verify_batch(*stack_requests([(drafts, None, target_rows(lg, pr), pr.greedy, m)
+                                        for lg, pr, m in zip(logits, params, mine)]))
+    assert got[1] is None
+    assert got[0] == verify(drafts, None, logits[0], params[0], ref[0])
+    assert got[2] == verify(drafts, None, logits[2], params[2], ref[2])
+    nan_greedy = logits[2].clone()
+    nan_greedy[0, 0] = float("nan")
+    assert verify_batch(*stack_requests([(drafts, None, target_rows(nan_greedy, params[2]), True, None)])) == [None]
+
+
+def test_batched_verification_refuses_what_it_cannot_reproduce():
+    p = probs_from_logits(torch.zeros(3, 4), SamplingParams())
+    shared = torch.Generator().manual_seed(0)
+    x = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="generator of its own"):   # it is set back after the draws
+        verify_batch(*stack_requests([(x, None, p, False, shared), (x, None, p, False, shared)]))
+    with pytest.raises(ValueError, match="generator of its own"):
+        verify_batch(*stack_requests([(x, None, p, False, None)]))
+    with pytest.raises(ValueError, match="target rows"):
+        verify_batch(*stack_requests([(x, None, p[:2], False, shared)]))
+    with pytest.raises(ValueError, match="draft probabilities"):
+        tokens, _, target, batch = stack_requests([(x, p[:2], p, False, shared)])
+        verify_batch(tokens, None, target, batch)
+    assert verify_batch(*stack_requests([])) == []
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _counted(real, name, calls):
+    def counted(self, *a, **k):
+        calls.append(name)
+        return real(self, *a, **k)
+    return counted
+
+
+def _mixed_step(device="cpu"):
+    """Arguments of verify_batch for a step holding every kind of request, and the per-request answers."""
+    rng = random.Random(1)
+    g = torch.Generator().manual_seed(1)
+    cases = [_case(rng, 40, g) for _ in range(24)]
+    kinds = {("greedy" if c[3].greedy else c[4], len(c[0]) > 0) for c in cases}
+    assert {("greedy", True), ("probs", True), ("point mass", True), ("probs", False)} <= kinds
+    ref = [verify(x, q, logits, params, torch.Generator().manual_seed(i))
+           for i, (x, q, logits, params, _) in enumerate(cases)]
+    args = stack_requests([(x, None if q is None else q.to(device), target_rows(logits.to(device), params),
+                            params.greedy, torch.Generator(device).manual_seed(i))
+                           for i, (x, q, logits, params, _) in enumerate(cases)])
+    return args, ref
+
+
+def test_batched_verification_synchronises_with_the_host_once(monkeypatch):
+    """One transfer of the step's answers (a ``tolist``), none per request: every way a tensor's
+    value reaches Python is counted."""
+    args, ref = _mixed_step()
+    calls: list[str] = []
+    for name in SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, _counted(getattr(torch.Tensor, name), name, calls))
+    got = verify_batch(*args)
+    monkeypatch.undo()
+    assert calls == ["tolist"]
+    assert got == ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_verification_synchronises_with_the_device_once():
+    """On a GPU (torch's sync debug mode reports each synchronisation): one, and the same answers."""
+    import warnings
+    args, ref = _mixed_step("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = verify_batch(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]
+    assert got == ref
