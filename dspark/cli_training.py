@@ -101,7 +101,7 @@ def add_parsers(sub, h) -> None:
     t.add_argument("--max-len", type=h._positive_int, default=512, help="with --corpus: tokens per sequence")
     t.add_argument("--loss", default=None, choices=["tv", "kl", "kl+tv", "ce"],
                    help="tv: 0.1 CE + 0.9 TV (the paper's), kl: 0.1 CE + forward KL, kl+tv: both, ce: CE only "
-                        "(default: ce for dflash recipes without --corpus, else the --corpus default kl+tv or tv)")
+                        "(default: tv; ce for dflash recipes without --corpus)")
     t.add_argument("--schedule", default="cosine", choices=["cosine", "wsd"],
                    help="learning rate after warmup: cosine to 0, or warmup-stable-decay (extendable)")
     t.add_argument("--decay", type=h._float, default=0.2, help="wsd: the last fraction of steps that decays")
