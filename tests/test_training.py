@@ -392,3 +392,29 @@ def test_two_processes_under_torchrun_take_the_steps_of_one(tmp_path):
     assert [h["anchors_seen"] for h in hist_one] == [h["anchors_seen"] for h in hist_two]
     for a, b in zip(hist_one, hist_two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+
+
+def test_init_weights_grows_qk_norms_from_a_drafter_saved_without_them(tmp_path):
+    """A drafter saved without q/k norms (the pre-Qwen3 layout) starts a q/k-norm run: every saved
+    weight loads as it was, the norms start at one; a weight of the wrong shape is still refused."""
+    from safetensors.torch import save_file
+    from dspark.training.trainer import _load_weights
+    t = tiny_target()
+    old = tiny_drafter_model(t, qk_norm=False, draft_vocab=torch.tensor([0, 1, 2, 4]))
+    save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    new = tiny_drafter_model(t, qk_norm=True, draft_vocab=torch.tensor([0, 1, 2, 4]), seed=7)
+    with torch.no_grad():
+        for k, p in new.named_parameters():
+            p.add_(0.5)                          # every weight differs from both sources before the load
+    _load_weights(new, tmp_path)
+    mine, theirs = new.state_dict(), old.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in theirs.items())
+    grown = [k for k in mine if k not in theirs]
+    assert grown and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in grown)
+    assert all(torch.equal(mine[k], torch.ones_like(mine[k])) for k in grown)
+    bad = dict(theirs)
+    first = next(k for k, v in bad.items() if v.dim() == 2)
+    bad[first] = torch.zeros(3, 3)
+    save_file({k: v.contiguous() for k, v in bad.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DsparkError, match="do not fit"):
+        _load_weights(new, tmp_path)

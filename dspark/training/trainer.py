@@ -283,11 +283,14 @@ def _load_weights(model, folder) -> None:
         raise UsageError(f"--init-weights {folder}: cannot read model.safetensors ({e})") from None
     mine = model.state_dict()
     bad = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
-    missing = [k for k in mine if k not in state]
+    # a drafter saved without q/k norms grows them: they start at one (RMSNorm's init), the rest loads
+    grown = [k for k in mine if k not in state and k.endswith((".q_norm.weight", ".k_norm.weight"))]
+    missing = [k for k in mine if k not in state and k not in grown]
     if bad or missing:
         raise UsageError(f"--init-weights {folder}: weights do not fit this drafter "
                          f"(mismatched {bad[:3]}, missing {missing[:3]})")
-    model.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
+    model.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()}
+                          | {k: torch.ones_like(mine[k]) for k in grown})
 
 
 def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
