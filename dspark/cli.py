@@ -46,6 +46,13 @@ def _int_list(minimum: int):
     return parse
 
 
+def _positive_float(s: str) -> float:
+    v = _float(s)
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {s!r}")
+    return v
+
+
 def _non_negative_int(s: str) -> int:
     v = _int(s)
     if v < 0:
@@ -127,7 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: on)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target's)")
     sv.add_argument("--api-key", default=None,
-                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $DSPARK_API_KEY, else none)")
+                    help="require `Authorization: Bearer KEY` on every route but /health (default: $DSPARK_API_KEY, "
+                         "else none)")
+    sv.add_argument("--metrics-open", action="store_true",
+                    help="with --api-key: /metrics needs no key (a Prometheus scraper without it)")
+    # the defaults are server_door's DEFAULT_MAX_BODY_MB and DEFAULT_MAX_PROMPTS (not imported here:
+    # it imports FastAPI, which every other command would then pay for)
+    sv.add_argument("--max-body-mb", type=_positive_float, default=8.0,
+                    help="largest request body in MiB; a larger one gets a 413 before it is parsed (default: 8)")
+    sv.add_argument("--max-prompts", type=_positive_int, default=64,
+                    help="most prompts in one /v1/completions request, a 400 past it (default: 64)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_model_flags(sv)
 
@@ -334,6 +350,7 @@ def cmd_serve(args) -> int:
     engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len, args.prefix_caching)
     serve(target, engine, args.host, args.port, args.served_model_name,
           args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level,
+          max_body_mb=args.max_body_mb, max_prompts=args.max_prompts, metrics_open=args.metrics_open,
           banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {engine.policy.name}, "
                  f"{args.max_requests} requests x {args.max_len} tokens, "
                  f"prefix caching {'on' if args.prefix_caching else 'off'}")

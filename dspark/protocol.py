@@ -134,7 +134,9 @@ class _Sampling(_Body):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to its logit")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id -> bias in [-100, 100], added to its logit",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,18}$"}})   # what _bias checks, in the schema
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension")
     user: str | None = None
@@ -192,7 +194,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,

@@ -32,15 +32,14 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine
@@ -48,6 +47,8 @@ from .errors import DsparkError
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
                        chat_messages)
 from .sampling import SamplingParams
+from .server_door import (DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PROMPTS, ApiError, Door, errors, json_body, parse_body)
+from .server_door import text as _text
 from .structured import check as check_grammar
 from .structured import grammar_state
 
@@ -56,47 +57,6 @@ if TYPE_CHECKING:
     from .structured import GrammarState
 
 log = logging.getLogger("dspark.server")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": _text(self.message), "type": self.type,
-                                       "param": None if self.param is None else _text(self.param),
-                                       "code": self.code}}, status_code=self.status)
-
-
-def _text(s: str) -> str:
-    """One line, valid UTF-8 (lone surrogates escaped), at most 1000 characters: safe in a JSON
-    response or an event whatever an exception's text holds."""
-    s = " ".join(str(s).split()).encode("utf-8", "backslashreplace").decode()
-    return s if len(s) <= 1000 else s[:997] + "..."
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every error, in the OpenAI API's shape."""
-    error: ErrorBody
-
-
-_ERRORS = {400: "a malformed or unsupported request; the message names the field",
-           401: "no or a wrong API key (only with --api-key)", 404: "another model's name",
-           500: "a failure serving this request; the server goes on"}
-
-
-def _errors(*codes: int) -> dict:
-    """The error responses a route documents in the OpenAPI schema (what it sends)."""
-    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
 
 
 def _param(loc) -> str:
@@ -112,6 +72,8 @@ class Metrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        # counted when scraped (EngineWorker.counts), not set after each step: a cancelled request
+        # leaves them at once, not one step (or, when idle, the next request's step) later
         self.running = Gauge("dspark:num_requests_running", "requests in the engine's batch", registry=r)
         self.waiting = Gauge("dspark:num_requests_waiting", "requests queued for a cache slot", registry=r)
         self.prompt_tokens = Counter("dspark:prompt_tokens", "prompt tokens admitted", registry=r)
@@ -150,7 +112,7 @@ class Metrics:
                 self.accepted_pos.labels(position=str(k)).inc(n)
 
 
-@dataclass
+@dataclass(eq=False)     # hashed by identity: EngineWorker keeps the live ones in a set
 class Job:
     """One engine request as the HTTP side sees it; ``sink`` receives its events on the engine
     thread: ("tokens", ids, their log probabilities or None), ("end", finish_reason), ("error", message)."""
@@ -164,7 +126,7 @@ class Job:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     grammar: GrammarState | None = None     # structured.GrammarState of this choice, or None
-    request: EngineRequest | None = None    # the engine's request, once added
+    request: EngineRequest | None = None    # the engine's request, once added (by the engine thread)
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
 
@@ -186,7 +148,11 @@ class EngineWorker:
         self._wake = threading.Condition()
         self._closed = False
         self._jobs: dict[int, Job] = {}
+        # submitted and neither ended nor cancelled (guarded by _wake): what the request gauges count
+        self._live: set[Job] = set()
         self._thread: threading.Thread | None = None
+        metrics.running.set_function(lambda: self.counts()[0])
+        metrics.waiting.set_function(lambda: self.counts()[1])
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="dspark-engine", daemon=True)
@@ -204,12 +170,33 @@ class EngineWorker:
         return job
 
     def cancel(self, job: Job) -> None:
+        """The job leaves the gauges now; the engine frees its slot after the step it is in."""
         self._command(("cancel", job))
 
     def _command(self, c) -> None:
+        kind, job = c
         with self._wake:
+            if kind == "add":
+                self._live.add(job)
+            else:
+                self._live.discard(job)
             self._commands.append(c)
             self._wake.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) of the live jobs, as of now: a job is running once the engine has
+        admitted its request to the batch (which it does inside a step) and until the request
+        ends or the client cancels it; it waits before that (for the engine thread to add it, for a
+        cache slot)."""
+        with self._wake:
+            requests = [j.request for j in self._live]
+        # a request's status is set by the engine thread; reading it here sees its latest value
+        running = sum(r is not None and r.status == "running" for r in requests)
+        return running, sum(r is None or r.status == "waiting" for r in requests)
+
+    def _forget(self, job: Job) -> None:
+        with self._wake:
+            self._live.discard(job)
 
     @property
     def idle(self) -> bool:
@@ -245,6 +232,7 @@ class EngineWorker:
                     assert job.request is not None   # a job in _jobs was added to the engine
                     eng.cancel(job.request)
                     self._jobs.pop(job.request.id, None)
+                    self._forget(job)
                     job.sink(("error", _text(f"engine failure: {type(e).__name__}: {e}")))
                 ended = []
             self.metrics.steps.inc()
@@ -254,8 +242,6 @@ class EngineWorker:
                 self.metrics.request_ended(r)
                 assert r.finish_reason is not None   # set when it ended
                 self._end(self._jobs[r.id], r.finish_reason)
-            self.metrics.running.set(len(eng.running))
-            self.metrics.waiting.set(len(eng.waiting))
 
     def _add(self, job: Job) -> None:
         def on_tokens(ids, job=job):
@@ -273,6 +259,7 @@ class EngineWorker:
         except Exception as e:      # this request alone fails (the door checks what it can)
             if not isinstance(e, DsparkError):
                 log.error("adding a request failed: %s", traceback.format_exc())
+            self._forget(job)
             job.sink(("error", _text(str(e) if isinstance(e, DsparkError) else f"{type(e).__name__}: {e}")))
             return
         self._jobs[job.request.id] = job
@@ -281,6 +268,7 @@ class EngineWorker:
     def _end(self, job: Job, reason: str) -> None:
         assert job.request is not None   # only a job the engine took ends
         self._jobs.pop(job.request.id, None)
+        self._forget(job)     # before its end event: a client told it has ended sees it gone
         self.metrics.latency.observe(time.perf_counter() - job.t_submit)
         if reason == "error":       # the engine ended this request alone on a failure serving it
             log.error("request %d failed: %s", job.request.id, job.request.error)
@@ -305,12 +293,14 @@ class Server:
     """The app's state: target, engine worker, metrics, and the request handling shared by both
     endpoints."""
 
-    def __init__(self, target, engine: Engine, model_name: str, api_key: str | None = None):
+    def __init__(self, target, engine: Engine, model_name: str, api_key: str | None = None,
+                 max_prompts: int = DEFAULT_MAX_PROMPTS):
         self.target = target
         self.tokenizer = target.tokenizer
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
+        self.max_prompts = max_prompts
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics)
         self.created = int(time.time())
@@ -372,12 +362,29 @@ class Server:
         except (ValueError, DsparkError) as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def start(self, prompts: list[list[int]], body, max_tokens: int | None,
-              grammar: str | None = None) -> tuple[list[_Choice], asyncio.Queue]:
-        """Submit n choices per prompt; their events arrive on the returned queue as (index, event).
-        ``grammar``: the request's, from ``grammar``."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+    def completion_choices(self, body: CompletionRequest) -> tuple[list[_Choice], list[str]]:
+        """A completion request's choices, and each prompt's echo ("" without ``echo``): the
+        tokenising and checking of ``choices``, which handlers run in a worker thread."""
+        self.check(body)
+        if len(body.prompt) > self.max_prompts:
+            raise ApiError(400, f"prompt: {len(body.prompt)} prompts in one request, more than this server's "
+                                f"limit of {self.max_prompts} (--max-prompts)", param="prompt", code="too_many_prompts")
+        prompts = [self.prompt_ids(p) for p in body.prompt]
+        echo = [self.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+        return self.choices(prompts, body, body.max_tokens, self.grammar(body)), echo
+
+    def chat_choices(self, body: ChatCompletionRequest) -> list[_Choice]:
+        """A chat request's choices (in a worker thread, as completion_choices)."""
+        self.check(body)
+        return self.choices([self.chat_ids(body.chat())], body, body.token_limit, self.grammar(body))
+
+    def choices(self, prompts: list[list[int]], body, max_tokens: int | None,
+                grammar: str | None = None) -> list[_Choice]:
+        """n choices per prompt, checked, their jobs not yet submitted (``start``). ``grammar``: the
+        request's, from ``grammar``."""
+        if not all(prompts):    # text a tokenizer drops whole (characters outside its vocabulary)
+            raise ApiError(400, "the prompt has no tokens for this model", param="prompt" if hasattr(body, "prompt")
+                           else "messages")
         limits = [self.limit(p, max_tokens) for p in prompts]      # all checked before any is submitted
         vocab = self.target.model.config.vocab_size
         if any(t >= vocab for t in body.stop_token_ids):
@@ -397,31 +404,32 @@ class Server:
                                             repetition_penalty=body.repetition_penalty, logit_bias=bias)
                 except DsparkError as e:
                     raise ApiError(400, str(e), param="seed" if "seed" in str(e) else None) from None
-                index = pi * body.n + j
-
-                def sink(ev, i=index):
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
                 scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
-                job = Job(ids, params, limit, stop_ids, sink, body.num_logprobs, scored, body.min_tokens,
+                job = Job(ids, params, limit, stop_ids, _no_sink, body.num_logprobs, scored, body.min_tokens,
                           None if grammar is None else grammar_state(self.target, grammar))
-                choices.append(_Choice(index, len(ids), TextStream(self.tokenizer, body.stop), job))
-        for ch in choices:
-            self.worker.submit(ch.job)
-        return choices, queue
+                choices.append(_Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop), job))
+        return choices
 
-    async def events(self, choices: list[_Choice], queue: asyncio.Queue, request: Request):
+    def start(self, choices: list[_Choice]) -> asyncio.Queue:
+        """Submit the choices' jobs (on the event loop); their events arrive on the returned queue as
+        (index, event)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        for ch in choices:
+            def sink(ev, i=ch.index):
+                loop.call_soon_threadsafe(queue.put_nowait, (i, ev))
+            ch.job.sink = sink
+            self.worker.submit(ch.job)
+        return queue
+
+    async def events(self, choices: list[_Choice], queue: asyncio.Queue):
         """(choice, new text, the new tokens' (token, log probability, top) if asked) as tokens come,
         until every choice has ended; a choice's last item carries its finish_reason. Cancels what
-        is still running if the client goes away."""
+        is still running when closed before that (the client went away: see _respond)."""
         live = len(choices)
         try:
             while live:
-                try:
-                    i, ev = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+                i, ev = await queue.get()
                 ch = choices[i]
                 if ch.finish_reason is not None:
                     continue
@@ -519,6 +527,17 @@ def _decoded(fn, *args) -> str:
                        "internal_error") from None
 
 
+def _no_sink(ev) -> None:
+    raise AssertionError("a job's sink is set when it is submitted (Server.start)")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away. The body has been read (the door buffers it whole),
+    so what the server says next is the disconnect, or nothing until the response has gone out."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -547,7 +566,7 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                     for ch in choices:
                         for fields in opening(ch):
                             yield _sse(chunk(ch, fields))
-                async for ch, text, entries in srv.events(choices, queue, request):
+                async for ch, text, entries in srv.events(choices, queue):
                     if scored and ch.index not in opened:
                         opened.add(ch.index)
                         for fields in opening(ch):
@@ -566,19 +585,35 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                 yield _sse({**head, "object": chunk_obj, "choices": [], "usage": srv.usage(choices)})
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream")
-    async for _ in srv.events(choices, queue, request):
-        pass
+    async def collect():
+        async for _ in srv.events(choices, queue):
+            pass
+    # a whole response: the client's going away must cancel its choices too (a stream learns it
+    # from the response, which listens for the disconnect), not only when the next event is late
+    collected, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collected, gone):
+            task.cancel()       # the one still running: its finally (events': cancel the jobs) runs
+        await asyncio.gather(collected, gone, return_exceptions=True)
+    if not collected.done() or collected.cancelled():
+        return Response(status_code=499)    # nginx's "client closed request": nobody reads it
+    collected.result()      # its ApiError, if a choice failed
     return {**head, "object": obj, "usage": srv.usage(choices),
             "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs, True) if asked else None,
                          "finish_reason": ch.finish_reason} for ch in choices]}
 
 
 def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None,
-               engine_thread: bool = True) -> FastAPI:
+               engine_thread: bool = True, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+               max_prompts: int = DEFAULT_MAX_PROMPTS, metrics_open: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` (whose target is ``target.model``). ``engine_thread``: the
     engine steps on a thread of its own for the app's lifetime; else the caller runs
-    ``app.state.server.worker.run()`` on its thread (the main one: see EngineWorker)."""
-    srv = Server(target, engine, model_name or target.name, api_key)
+    ``app.state.server.worker.run()`` on its thread (the main one: see EngineWorker). ``api_key``:
+    wanted on every route but /health (and /metrics with ``metrics_open``); ``max_body_mb``: larger
+    bodies get a 413; ``max_prompts``: prompts one completion request may hold (more: a 400)."""
+    srv = Server(target, engine, model_name or target.name, api_key, max_prompts)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -591,17 +626,30 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
 
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(Door, api_key=api_key, max_body=int(max_body_mb * (1 << 20)), metrics_open=metrics_open)
+    bodies = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    # what a completion route's 200 may carry: one JSON object, or with "stream" server-sent events
+    streamed: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
     def openapi():
         """FastAPI's schema with the status codes the server sends: errors are 400 (and 401, 404,
-        500) in the OpenAI shape, never FastAPI's 422 with its validation-error body."""
+        413, 500) in the OpenAI shape, never FastAPI's 422 with its validation-error body; the
+        request bodies the handlers parse themselves (parse_body) are the models'."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
+                    for code, resp in op.get("responses", {}).items():
+                        if code != "200" and "content" in resp:   # an error is JSON whatever the route's 200
+                            resp["content"] = {"application/json": next(iter(resp["content"].values()))}
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            for model in bodies:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi   # type: ignore[method-assign]
@@ -611,9 +659,7 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):   # an unknown route, a body that is not UTF-8 ...
-        if e.status_code == 400:
-            return ApiError(400, "the request body is not valid JSON").response()
+    async def _http_error(request, e: StarletteHTTPException):   # an unknown route, a method it has not ...
         return ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
                         else "internal_error").response()
 
@@ -627,8 +673,6 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         msgs, params = [], []
         for err in e.errors()[:4]:
             loc = _param(err.get("loc", ()))
-            if err.get("type") == "json_invalid":
-                return ApiError(400, "the request body is not valid JSON").response()
             msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
             if err.get("type") == "extra_forbidden":
                 msgs.append(f"unknown field {loc!r}")
@@ -638,32 +682,25 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
             else:
                 msgs.append(f"{loc}: {msg}" if loc else msg)
             params.append(loc)
-        return ApiError(400, "; ".join(msgs) or "invalid request", param=params[0] if params else None).response()
+        return ApiError(400, "; ".join(msgs) or "invalid request", param=params[0] if params and params[0] else None
+                        ).response()     # a check of the whole body (loc ()) names no field
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if srv.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {srv.api_key}".encode()):
-                return ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                "authentication_error", code="invalid_api_key").response()
-        return await call_next(request)
-
+    # the request bodies are parsed, and prompts tokenised, in worker threads: a body of some MB
+    # takes seconds to parse and tokenise, which on the event loop would hold up every other request
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=errors(401), response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_errors(401))
+    @app.get("/v1/models", responses=errors(401))
     async def models():
         return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
                                             "owned_by": "dspark", "max_model_len": engine.cache.max_len}]}
 
-    @app.post("/tokenize", responses=_errors(400, 404, 500))
-    async def tokenize(body: TokenizeRequest):
+    def tokenized(body: TokenizeRequest) -> dict:
         srv.check(body)
         if body.prompt is not None:
             ids = srv.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
@@ -673,32 +710,36 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
         strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.cache.max_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize", responses=_errors(400, 404, 500))
-    async def detokenize(body: DetokenizeRequest):
+    @app.post("/tokenize", responses=errors(400, 401, 404, 413, 500), openapi_extra=json_body(TokenizeRequest))
+    async def tokenize(request: Request):
+        return await run_in_threadpool(tokenized, await parse_body(request, TokenizeRequest))
+
+    def detokenized(body: DetokenizeRequest) -> dict:
         srv.check(body)
         srv.prompt_ids(body.tokens)     # the ids are checked against the vocabulary
         return {"prompt": srv.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/completions", responses=_errors(400, 401, 404, 500))
-    async def completions(body: CompletionRequest, request: Request):
-        srv.check(body)
-        prompts = [srv.prompt_ids(p) for p in body.prompt]
-        echo = [srv.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
-        grammar = await run_in_threadpool(srv.grammar, body)
-        choices, queue = srv.start(prompts, body, body.max_tokens, grammar)
-        return await _respond(srv, body, request, choices, queue, "cmpl", "text_completion", "text_completion",
-                              delta=lambda text: {"text": text},
+    @app.post("/detokenize", responses=errors(400, 401, 404, 413, 500), openapi_extra=json_body(DetokenizeRequest))
+    async def detokenize(request: Request):
+        return await run_in_threadpool(detokenized, await parse_body(request, DetokenizeRequest))
+
+    @app.post("/v1/completions", responses={**streamed, **errors(400, 401, 404, 413, 500)},
+              openapi_extra=json_body(CompletionRequest))
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        choices, echo = await run_in_threadpool(srv.completion_choices, body)
+        return await _respond(srv, body, request, choices, srv.start(choices), "cmpl", "text_completion",
+                              "text_completion", delta=lambda text: {"text": text},
                               opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
                               whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output},
                               logprobs=srv.completion_logprobs)
 
-    @app.post("/v1/chat/completions", responses=_errors(400, 401, 404, 500))
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        srv.check(body)
-        ids = srv.chat_ids(body.chat())
-        grammar = await run_in_threadpool(srv.grammar, body)
-        choices, queue = srv.start([ids], body, body.token_limit, grammar)
-        return await _respond(srv, body, request, choices, queue, "chatcmpl", "chat.completion",
+    @app.post("/v1/chat/completions", responses={**streamed, **errors(400, 401, 404, 413, 500)},
+              openapi_extra=json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        choices = await run_in_threadpool(srv.chat_choices, body)
+        return await _respond(srv, body, request, choices, srv.start(choices), "chatcmpl", "chat.completion",
                               "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
                               opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],
                               whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}},
@@ -738,12 +779,15 @@ def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: s
 
 
 def serve(target, engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          api_key: str | None = None, log_level: str = "info", banner: str | None = None) -> None:
+          api_key: str | None = None, log_level: str = "info", banner: str | None = None,
+          max_body_mb: float = DEFAULT_MAX_BODY_MB, max_prompts: int = DEFAULT_MAX_PROMPTS,
+          metrics_open: bool = False) -> None:
     """Serve until SIGINT or SIGTERM: HTTP on a side thread, the engine on this (main) thread. The
     first signal stops accepting requests and lets those in flight finish (the engine steps on
     until the HTTP server has closed its last connection); a second one stops at once."""
     import signal
-    app = create_app(target, engine, model_name, api_key, engine_thread=False)
+    app = create_app(target, engine, model_name, api_key, engine_thread=False, max_body_mb=max_body_mb,
+                     max_prompts=max_prompts, metrics_open=metrics_open)
     worker = app.state.server.worker
     with in_thread(app, host, port, log_level) as (url, server, thread):
         if banner:

@@ -27,10 +27,11 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Here is a list of f
 
 
 @contextmanager
-def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None, prefix_caching=False):
+def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None, prefix_caching=False, **app_flags):
+    """The app on a free loopback port; ``app_flags``: create_app's (max_body_mb, max_prompts, ...)."""
     engine = Engine(target.model, drafter, max_requests=max_requests, max_len=max_len,
                     block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching)
-    app = create_app(target, engine, api_key=api_key)
+    app = create_app(target, engine, api_key=api_key, **app_flags)
     with in_thread(app) as (url, _, _):
         yield url, app.state.server
 

@@ -370,10 +370,9 @@ def test_bodies_that_are_not_json_and_unknown_routes_get_openai_errors(server):
 def test_the_openapi_schema_documents_the_codes_sent(server):
     url, _ = server
     schema = json.loads(urllib.request.urlopen(url + "/openapi.json", timeout=10).read())
-    sent = {"/v1/completions": {"200", "400", "401", "404", "500"},
-            "/v1/chat/completions": {"200", "400", "401", "404", "500"},
-            "/tokenize": {"200", "400", "404", "500"}, "/detokenize": {"200", "400", "404", "500"},
-            "/v1/models": {"200", "401"}, "/health": {"200"}, "/metrics": {"200"}}
+    post_codes = {"200", "400", "401", "404", "413", "500"}
+    sent = {"/v1/completions": post_codes, "/v1/chat/completions": post_codes, "/tokenize": post_codes,
+            "/detokenize": post_codes, "/v1/models": {"200", "401"}, "/health": {"200"}, "/metrics": {"200", "401"}}
     for path, ops in schema["paths"].items():
         for op in ops.values():
             assert set(op["responses"]) == sent[path], (path, op["responses"])
@@ -381,6 +380,12 @@ def test_the_openapi_schema_documents_the_codes_sent(server):
                 if code != "200":
                     ref = resp["content"]["application/json"]["schema"]["$ref"]
                     assert ref.endswith("/ErrorResponse"), (path, code, ref)
+    paths = schema["paths"]
+    for route in ("/v1/completions", "/v1/chat/completions"):     # a stream is a 200 too
+        assert set(paths[route]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+        body = paths[route]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert "prompt" in schema["components"]["schemas"][body.split("/")[-1]]["properties"] or "chat" in route
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "HTTPValidationError" not in schema["components"]["schemas"]
     assert set(schema["components"]["schemas"]["ErrorBody"]["properties"]) == {"message", "type", "param", "code"}
     # and what a route answers a malformed body is the documented 400 in that shape
