@@ -179,6 +179,19 @@ def add_parsers(sub, h) -> None:
     cb.set_defaults(threads=2)
     work(cb)
 
+    x = sub.add_parser("export", help="write a trained drafter in an engine's checkpoint layout "
+                                      "(DeepSpec, DFlash, speculators: vLLM, SGLang, llama.cpp)")
+    x.add_argument("drafter", help="a trained drafter's folder, or a name as for --drafter (dspark, dflash)")
+    x.add_argument("--format", required=True, choices=["deepspec", "dflash", "speculators"])
+    x.add_argument("--out", required=True, help="folder to write (config.json, model.safetensors, ...)")
+    x.add_argument("--target", default=None, help="the drafter's target (default: the one it was trained for)")
+    x.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="tensor dtype; fp32 (default) is the exact one (the folded fc)")
+    x.add_argument("--allow-inexact", action="store_true",
+                   help="export a drafter without q/k norms with norms of ones (changes what it drafts; "
+                        "the report says so)")
+    x.add_argument("--json", action="store_true", help="print the report as one JSON line")
+
 
 def _parse_mix(text: str) -> dict:
     mix = {}
@@ -389,5 +402,26 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from dataclasses import asdict
+
+    from .interop.export import export_drafter
+    from .runtime.loading import parse_dtype
+    rep = export_drafter(args.drafter, args.format, Path(args.out).expanduser(), target=args.target,
+                         allow_inexact=args.allow_inexact, dtype=parse_dtype(args.dtype))
+    print(f"wrote {rep.format} ({rep.architecture}, {rep.tensors} tensors) to {rep.folder}; target layer ids "
+          f"{rep.target_layer_ids} (engines: {rep.engine_layer_ids})", file=sys.stderr)
+    for line in rep.notes:
+        print(f"note: {line}", file=sys.stderr)
+    for line in rep.inexact:
+        print(f"INEXACT: {line}", file=sys.stderr)
+    if not rep.inexact:
+        print("exact: importing it gives the drafter's proposals bit for bit", file=sys.stderr)
+    if args.json:
+        print(json.dumps(asdict(rep)))
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "regenerate": cmd_regenerate, "cache": cmd_cache, "train": cmd_train,
-            "eval": cmd_eval, "calibrate": cmd_calibrate}
+            "eval": cmd_eval, "calibrate": cmd_calibrate,
+            "export": cmd_export}

@@ -1,4 +1,5 @@
-"""Drafters by name or path: plain, ngram, cut[:N] (the target's first N layers), a draft LM,
+"""Drafters by name or path: plain, ngram, cut[:N] (the target's first N layers), a draft LM, a
+trained drafter's folder (ours, or a checkpoint in an engine's layout: interop/foreign.py),
 ngram+NAME (n-gram lookup where the text repeats, drafter NAME elsewhere), and auto (ngram+dspark
 where a trained DSpark drafter exists for the target, else ngram)."""
 
@@ -32,6 +33,13 @@ def trained_drafter_dirs(target_name: str, name: str) -> list[Path]:
 def load_trained(folder: Path, target, *, block_size: int | None = None, name: str | None = None) -> Drafter:
     from .config import DrafterConfig
     from .dspark import DSparkDrafter, DSparkModel
+    if _is_foreign(Path(folder)):     # a checkpoint in an engine's layout (DeepSpec, DFlash, speculators)
+        from ..interop.foreign import load_foreign
+        m = target.model
+        model = load_foreign(Path(folder), m.config, m.embed, m.lm_head)
+        imported = DSparkDrafter(model, m, name=name, block_size=block_size)
+        imported.folder = Path(folder)
+        return imported
     cfg = DrafterConfig.load(folder)
     tc = target.model.config
     if cfg.vocab_size != tc.vocab_size or cfg.target_hidden_size != tc.hidden_size or \
@@ -49,16 +57,29 @@ def load_trained(folder: Path, target, *, block_size: int | None = None, name: s
     return drafter
 
 
-def _is_trained_drafter(path: Path) -> bool:
+def _config_of(path: Path) -> dict | None:
     cfg = path / "config.json"
     if not cfg.is_file():
-        return False
+        return None
     try:
         data = json.loads(cfg.read_text())
     except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_foreign(path: Path) -> bool:
+    from ..interop.foreign import is_foreign
+    data = _config_of(path)
+    return data is not None and is_foreign(data)
+
+
+def _is_trained_drafter(path: Path) -> bool:
+    data = _config_of(path)
+    if data is None:
         return False
     archs = data.get("architectures") or []
-    return any("Drafter" in a for a in archs) or "block_size" in data
+    return any("Drafter" in a for a in archs) or "block_size" in data or _is_foreign(path)
 
 
 def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None = None,

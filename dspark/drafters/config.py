@@ -44,6 +44,9 @@ class DrafterConfig:
     mask_token_id: int = 0
     markov_rank: int = 256
     markov_head_type: str = "vanilla"   # vanilla | gated | rnn | none (DFlash, EAGLE-3)
+    # the Markov table W1 has a row per target token instead of one shared row for every token outside
+    # the draft vocabulary: what an imported checkpoint in the engines' layout (``[vocab, rank]``) needs
+    markov_full_table: bool = False
     confidence_head: bool = True
     vocab_size: int = 49152             # the target's
     draft_vocab_size: int = 0           # 0 = the full target vocabulary

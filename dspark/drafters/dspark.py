@@ -42,6 +42,7 @@ from .heads import ConfidenceHead, SequentialHead
 class DSparkModel(nn.Module):
     draft_vocab: torch.Tensor       # registered buffers
     t2d: torch.Tensor
+    prev_rows: torch.Tensor
 
     def __init__(self, config: DrafterConfig, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -54,6 +55,13 @@ class DSparkModel(nn.Module):
         t2d = torch.full((c.vocab_size,), vd, dtype=torch.long)
         t2d[self.draft_vocab] = torch.arange(vd)
         self.register_buffer("t2d", t2d, persistent=False)   # target id -> draft index (vd = outside)
+        # target id -> row of the Markov table W1 for a previous token: its draft index, and for a token
+        # outside the draft vocabulary the shared row vd, or (markov_full_table) a row of its own
+        prev_rows = t2d.clone()
+        if c.markov_full_table:
+            outside = t2d == vd
+            prev_rows[outside] = vd + torch.arange(int(outside.sum()))
+        self.register_buffer("prev_rows", prev_rows, persistent=False)
         self.backbone = Backbone(c)
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         self.head = SequentialHead(c, vd) if c.has_markov else None
@@ -117,7 +125,7 @@ class DSparkModel(nn.Module):
         e = None
         if self.head is not None:
             idx = (anchors[:, None] + torch.arange(g)[None]).clamp(max=L - 1)   # x_{k-1}: anchor, then truth
-            prev = self.t2d[ids[idx]]
+            prev = self.prev_rows[ids[idx]]
             bias, e = self.head.teacher_forced(h, prev)
             logits = logits + bias
         if self.confidence is not None:
@@ -329,7 +337,7 @@ class DSparkDrafter(Drafter):
         m = self.model
         R = len(active)
         U = m.base_logits(h.view(R * steps, -1)).float().view(R, steps, -1)   # [R, g, Vd]
-        prev = m.t2d[torch.tensor([c.tokens[-1] for c in active], device=self.device)]
+        prev = m.prev_rows[torch.tensor([c.tokens[-1] for c in active], device=self.device)]
         state = m.head.init_state(R, h[:, 0]) if m.head is not None else None
         V = self.config.vocab_size
         vocab = m.draft_vocab

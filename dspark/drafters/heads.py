@@ -11,7 +11,9 @@ adds a cheap bias that depends on the previous token, sampled left to right:
 Confidence c_k = sigmoid(w . [h_k; W1[x_{k-1}]]): P(token k survives | tokens < k survived).
 
 Token ids here are draft-vocabulary indices; index ``draft_vocab_size`` stands for a previous
-token outside the draft vocabulary (possible for the anchor).
+token outside the draft vocabulary (possible for the anchor). With ``markov_full_table`` (imported
+checkpoints, whose W1 has a row per target token) the tokens outside the draft vocabulary have rows
+of their own after the draft vocabulary's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class SequentialHead(nn.Module):
         super().__init__()
         self.type, r, d = c.markov_head_type, c.markov_rank, c.hidden_size
         self.rank = r
-        self.w1 = nn.Embedding(vocab + 1, r)
+        self.w1 = nn.Embedding(c.vocab_size if c.markov_full_table else vocab + 1, r)
         self.w2 = nn.Linear(r, vocab, bias=False)
         nn.init.normal_(self.w1.weight, std=0.02)
         nn.init.zeros_(self.w2.weight)          # starts as the plain backbone (bias 0)

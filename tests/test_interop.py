@@ -1,0 +1,229 @@
+"""Export to the engines' layouts and import back (dspark/interop/).
+
+On a tiny random target: export -> import proposes bit for bit what the drafter proposes (tokens,
+probabilities, confidences) in every layout, with a reduced draft vocabulary and with the full one;
+a Markov table whose rows outside the draft vocabulary differ (a foreign writer's) is kept whole;
+greedy fp32 output through an imported drafter equals plain decoding; bad checkpoints get one-line
+errors naming the key; the layer-id convention (ours = DeepSpec's = output of layer L; the engines'
+= L + 1) is checked against Hugging Face's hidden_states.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark.drafters import load_drafter
+from dspark.drafters.base import DraftContext
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.engine import Engine
+from dspark.errors import UsageError
+from dspark.interop import layouts as L
+from dspark.interop.export import export_model
+from dspark.interop.foreign import load_foreign
+from dspark.runtime.model import Decoder
+from dspark.sampling import SamplingParams
+from dspark.scheduling.policies import FixedPolicy
+
+from _tiny import as_target, tiny_drafter_model, tiny_target
+
+FORMATS = list(L.FORMATS)
+
+
+def _model(target, kind="dspark", head="vanilla", vocab=(1, 2, 3, 4), qk_norm=True):
+    model = tiny_drafter_model(target, kind, head, draft_vocab=None if vocab is None else torch.tensor(vocab),
+                               scale=2.0, qk_norm=qk_norm, layers=2)
+    with torch.no_grad():       # every transformed part away from its neutral value
+        model.backbone.feature_scale.uniform_(0.5, 2.0)
+        for layer in model.backbone.layers if qk_norm else ():
+            layer.q_norm.weight.uniform_(0.5, 2.0)
+            layer.k_norm.weight.uniform_(0.5, 2.0)
+    if kind == "dspark":
+        model.config.sts_temperatures, model.config.sts_shifts = [1.3, 0.7, 2.1], [0.1, -0.2, 0.0]
+    return model
+
+
+def _export(model, target, tmp_path, fmt, **kw):
+    out = tmp_path / fmt
+    rep = export_model(model, target.embed, target.lm_head, target.config.num_layers, out, fmt, **kw)
+    return out, rep
+
+
+def _proposals(drafter, target, rounds=3):
+    """Blocks proposed over a few rounds of one request at temperature 1 (fixed seed)."""
+    ids = [1, 3, 2, 4, 0, 2, 1, 3, 4, 2, 0, 3]
+    kv = target.new_cache(1, 32)
+    slot = kv.allocate()
+    o = target(torch.tensor(ids), [(slot, len(ids))], kv, feature_layers=drafter.feature_layers, logits_rows=None)
+    feats = torch.cat(o.features, -1)
+    ctx = DraftContext(ids[:5], SamplingParams(temperature=1.0), torch.Generator().manual_seed(7), 3,
+                       features=[feats[:4]])
+    out = []
+    for a in (4, 7, 10)[:rounds]:
+        if a > 4:
+            ctx.features.append(feats[len(ctx.tokens) - 1:a])
+            ctx.tokens = ids[:a + 1]
+        p = drafter.propose([ctx])[0]
+        out.append((p.tokens.clone(), p.probs.clone(), p.confidences.clone()))
+    return out
+
+
+def _same(a, b):
+    for (t1, p1, c1), (t2, p2, c2) in zip(a, b, strict=True):
+        assert torch.equal(t1, t2) and torch.equal(p1, p2) and torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind,vocab", [("dspark", (1, 2, 3, 4)), ("dspark", None), ("dflash", (1, 2, 3, 4))])
+def test_export_then_import_proposes_bit_for_bit(tmp_path, fmt, kind, vocab):
+    target = tiny_target(scale=3.0)
+    model = _model(target, kind, "vanilla" if kind == "dspark" else "none", vocab)
+    out, rep = _export(model, target, tmp_path, fmt)
+    assert not [m for m in rep.inexact if "q/k" in m or "fc" in m]
+    imported = load_foreign(out, target.config, target.embed, target.lm_head)
+    assert imported.config.kind == kind and not imported.config.markov_full_table
+    _same(_proposals(DSparkDrafter(model, target), target), _proposals(DSparkDrafter(imported, target), target))
+
+
+def test_export_tensors_follow_the_layout(tmp_path):
+    target = tiny_target()
+    model = _model(target)
+    out, rep = _export(model, target, tmp_path, "deepspec")
+    st, cfg = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["draft_vocab_size"] == 4
+    assert cfg["target_layer_ids"] == [0, 2] and cfg["sample_from_anchor"] and cfg["markov_head_type"] == "vanilla"
+    # the compact table expanded: every target token's row is its draft row, or the shared one
+    w1 = model.head.w1.weight.detach()
+    assert st[L.MARKOV_W1].shape == (5, 4) and torch.equal(st[L.MARKOV_W1][0], w1[4])
+    assert torch.equal(st[L.MARKOV_W1][1:], w1[:4])
+    assert st[L.D2T].tolist() == [1, 1, 1, 1]                 # target id = i + d2t[i]: 1, 2, 3, 4
+    assert torch.equal(st[L.LM_HEAD], target.lm_head[1:])
+    assert torch.equal(st[L.EMBED][0], model.mask_embedding.detach()) and torch.equal(st[L.EMBED][1:], target.embed[1:])
+    fc = model.backbone.fc.weight.detach() * model.backbone.feature_scale[None]
+    assert torch.equal(st[L.FC], fc)
+    assert "layers.1.self_attn.q_norm.weight" in st and "confidence_head.proj.bias" in st
+    assert "outside the draft vocabulary" in " ".join(rep.notes)
+
+
+def test_layer_ids_convention(tmp_path):
+    """Our id L (= DeepSpec's) is the output of decoder layer L: Hugging Face's hidden_states[L + 1],
+    which is the id the engines use (speculators writes it, llama.cpp's converter adds the 1)."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2)).eval()
+    dec = Decoder.from_hf(hf)
+    ids = torch.tensor([1, 3, 2, 4])
+    kv = dec.new_cache(1, 8)
+    ours = dec(ids, [(kv.allocate(), 4)], kv, feature_layers=(0, 1), logits_rows=None).features
+    with torch.no_grad():       # (HF's last hidden state is after the final norm: layers 0 and 1 here)
+        hs = hf(ids[None], output_hidden_states=True).hidden_states
+    for L_id, f in zip((0, 1), ours):
+        assert torch.allclose(f, hs[L_id + 1][0], atol=1e-5)
+    target = tiny_target()
+    model = _model(target)
+    for fmt in FORMATS:
+        out, rep = _export(model, target, tmp_path, fmt)
+        cfg = json.loads((out / "config.json").read_text())
+        assert rep.target_layer_ids == [0, 2] and rep.engine_layer_ids == [1, 3]
+        if fmt == "speculators":
+            assert cfg["aux_hidden_state_layer_ids"] == [1, 3] and "target_layer_ids" not in cfg
+        else:
+            ids_written = cfg["target_layer_ids"] if fmt == "deepspec" else cfg["dflash_config"]["target_layer_ids"]
+            assert ids_written == [0, 2]
+        assert load_foreign(out, target.config, target.embed, target.lm_head).config.target_layer_ids == [0, 2]
+
+
+def test_foreign_markov_table_is_kept_whole(tmp_path):
+    """A writer whose W1 rows outside the draft vocabulary differ (DeepSpec trains them all)."""
+    target = tiny_target()
+    model = _model(target, vocab=(1, 2, 4))                    # tokens 0 and 3 outside
+    out, _ = _export(model, target, tmp_path, "deepspec")
+    st = load_file(str(out / "model.safetensors"))
+    st[L.MARKOV_W1] = torch.randn(5, 4)
+    save_file(st, str(out / "model.safetensors"))
+    imported = load_foreign(out, target.config, target.embed, target.lm_head)
+    assert imported.config.markov_full_table
+    rows = imported.head.w1(imported.prev_rows)                 # the row each previous target token uses
+    assert torch.equal(rows, st[L.MARKOV_W1])
+    _proposals(DSparkDrafter(imported, target), target)         # and it serves
+
+
+def test_greedy_through_an_imported_drafter_equals_plain(tmp_path):
+    target = tiny_target(seed=2)
+    model = _model(target)
+    out, _ = _export(model, target, tmp_path, "speculators")
+    drafter = load_drafter(str(out), as_target(target))        # by path, as --drafter PATH
+    assert isinstance(drafter, DSparkDrafter) and drafter.config.qk_norm
+    greedy = SamplingParams(temperature=0)
+    for prompt in ([1, 2, 3], [4, 4, 1, 0, 2], [3]):
+        outs = []
+        for d, block in ((None, 0), (drafter, 3)):
+            engine = Engine(target, d, FixedPolicy(block), max_requests=1, block_size=block, max_len=32)
+            r = engine.add_request(prompt, greedy, 12)
+            engine.run()
+            outs.append(r.output_ids)
+        assert outs[0] == outs[1]
+
+
+def _edit(out, **changes):
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"vocab_size": 7}, "vocab_size 7"),
+    ({"hidden_size": 64}, "hidden_size 64"),
+    ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] out of range"),
+    ({"markov_head_type": "gated"}, "unsupported markov_head_type 'gated'"),
+    ({"mask_token_id": None}, "no 'mask_token_id'"),
+    ({"architectures": ["DFlashDraftModel"]}, "DFlashDraftModel"),
+])
+def test_bad_checkpoints_are_one_line_errors(tmp_path, change, match):
+    target = tiny_target()
+    out, _ = _export(_model(target), target, tmp_path, "deepspec")
+    _edit(out, **change)
+    with pytest.raises(UsageError, match=match) as e:
+        load_drafter(str(out), as_target(target))
+    assert "\n" not in str(e.value)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    target = tiny_target()
+    out, _ = _export(_model(target), target, tmp_path, "dflash")
+    st = load_file(str(out / "model.safetensors"))
+    del st["layers.1.mlp.up_proj.weight"]
+    save_file(st, str(out / "model.safetensors"))
+    with pytest.raises(UsageError, match="missing tensor 'layers.1.mlp.up_proj.weight'"):
+        load_foreign(out, target.config, target.embed, target.lm_head)
+
+
+def test_export_refuses_what_has_no_exact_image(tmp_path):
+    target = tiny_target()
+    with pytest.raises(UsageError, match="q/k norms"):
+        _export(_model(target, qk_norm=False), target, tmp_path, "deepspec")
+    _, rep = _export(_model(target, qk_norm=False), target, tmp_path, "deepspec", allow_inexact=True)
+    assert any("q/k RMSNorm" in m for m in rep.inexact)
+    with pytest.raises(UsageError, match="markov_head_type 'rnn'"):
+        _export(tiny_drafter_model(target, "dspark", "rnn", qk_norm=True), target, tmp_path, "deepspec")
+
+
+def test_sts_calibration_as_sglang_json(tmp_path):
+    target = tiny_target()
+    model = _model(target)
+    out, rep = _export(model, target, tmp_path, "deepspec")
+    sts = json.loads((out / L.SGLANG_STS_FILE).read_text())
+    assert {"temperatures", "dataset", "num_samples", "ece_before", "ece_after"} <= set(sts)
+    assert sts["temperatures"] == [1.3, 0.7, 2.1] and sts["dropped_shifts"] == [0.1, -0.2, 0.0]
+    assert any("shifts" in m for m in rep.inexact)
+    # without our config block an importer reads the temperatures from SGLang's file (shifts lost)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg[L.EXTENSION_KEY]
+    (out / "config.json").write_text(json.dumps(cfg))
+    imported = load_foreign(out, target.config, target.embed, target.lm_head)
+    assert imported.config.sts_temperatures == [1.3, 0.7, 2.1] and imported.config.sts_shifts is None
+    model.config.sts_shifts = None
+    out, rep = _export(model, target, tmp_path / "noshift", "deepspec")
+    assert "dropped_shifts" not in json.loads((out / L.SGLANG_STS_FILE).read_text()) and not rep.inexact
