@@ -58,6 +58,19 @@ def _lone_surrogate(value, path: str = "") -> str | None:
     return None
 
 
+def _schema_of_checks(strings: dict, arrays: dict | None = None):
+    """A field's JSON schema (what /openapi.json tells a client, or a fuzzer) given the constraints a
+    validator of the field checks: ``strings`` on every string in it, ``arrays`` on every array."""
+    def add(schema: dict) -> None:
+        for member in schema.get("anyOf", [schema]):
+            if member.get("type") == "string":
+                member.update(strings)
+            elif member.get("type") == "array":
+                member.update(arrays or {})
+                add(member.get("items", {}))
+    return add
+
+
 class _Body(BaseModel):
     """A request body: strict types, unknown fields refused, valid Unicode everywhere."""
     model_config = _STRICT
@@ -101,7 +114,9 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one constraint."""
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    # one constraint: one key (the schema's approximation of _one)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True,
+                              json_schema_extra={"minProperties": 1, "maxProperties": 1})
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -124,7 +139,8 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, description="choice i of a request samples with seed + i, "
                                                      "at most 2**64 - 1")
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop: str | list[str] | None = Field(None, validate_default=True, json_schema_extra=_schema_of_checks(
+        {"minLength": 1}, {"maxItems": MAX_STOPS}))     # what _stops checks
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-text tokens")
@@ -136,7 +152,8 @@ class _Sampling(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
     logit_bias: dict[str, float] | None = Field(
         None, description="token id -> bias in [-100, 100], added to its logit",
-        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,18}$"}})   # what _bias checks, in the schema
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,18}$"},     # what _bias checks, in the schema
+                           "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension")
     user: str | None = None
@@ -194,7 +211,9 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # what _prompt checks, in the schema: no blank text, no empty list
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        json_schema_extra=_schema_of_checks({"pattern": r"\S"}, {"minItems": 1}))
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -286,6 +305,9 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 
 class TokenizeRequest(_Body):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(json_schema_extra={"anyOf": [     # what _one checks, in the schema
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None

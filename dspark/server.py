@@ -650,6 +650,9 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
+            for member in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+                if member.get("items", {}).get("type") in ("string", "array"):   # a list of prompts
+                    member["maxItems"] = srv.max_prompts
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi   # type: ignore[method-assign]

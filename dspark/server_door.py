@@ -90,8 +90,10 @@ async def parse_body(request, model: type[BaseModel]):
 def _parsed(raw: bytes, model: type[BaseModel]):
     try:
         data = json.loads(raw)      # bytes: UTF-8 (or -16/-32) decoded here; not UTF-8 is a ValueError
-    except (ValueError, RecursionError):   # not JSON, not UTF-8, an integer of over 4300 digits, deep nesting
+    except ValueError:              # not JSON, not UTF-8, an integer of over 4300 digits
         raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:          # nested deeper than the interpreter's recursion limit
+        raise ApiError(400, "the request body is nested too deeply") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -80,6 +80,10 @@ def test_more_prompts_than_the_limit_is_a_400_naming_it(small, prompt):
     assert "5 prompts" in out["error"]["message"] and "--max-prompts" in out["error"]["message"], out
     status, out = post(url + "/v1/completions", {"prompt": prompt[:4], "max_tokens": 2, "temperature": 0})
     assert status == 200 and len(out["choices"]) == 4, out
+    schema = json.loads(get(url + "/openapi.json")[1])      # the limit is in the schema too
+    lists = [m for m in schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+             if m.get("items", {}).get("type") in ("string", "array")]
+    assert len(lists) == 2 and all(m["maxItems"] == 4 for m in lists), lists
 
 
 def test_the_cli_defaults_are_the_servers():
