@@ -179,7 +179,8 @@ def _edit(out, **changes):
     ({"target_layer_ids": [0, 3]}, r"target_layer_ids \[0, 3\] out of range"),
     ({"markov_head_type": "gated"}, "unsupported markov_head_type 'gated'"),
     ({"mask_token_id": None}, "no 'mask_token_id'"),
-    ({"architectures": ["DFlashDraftModel"]}, "DFlashDraftModel"),
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
+    ({"block_size": 1, "sample_from_anchor": False}, "block_size 1 leaves no draft slot"),
 ])
 def test_bad_checkpoints_are_one_line_errors(tmp_path, change, match):
     target = tiny_target()
@@ -227,3 +228,45 @@ def test_sts_calibration_as_sglang_json(tmp_path):
     model.config.sts_shifts = None
     out, rep = _export(model, target, tmp_path / "noshift", "deepspec")
     assert "dropped_shifts" not in json.loads((out / L.SGLANG_STS_FILE).read_text()) and not rep.inexact
+
+
+def test_zlab_dflash_bonus_anchor_block(tmp_path):
+    """z-lab's DFlashDraftModel: the block is [anchor, MASK * gamma], slot k >= 1 drafts the token at
+    its own position and block_size counts the anchor slot. Imported, it drafts what a forward over
+    gamma + 1 slots gives at slots 1..gamma, and greedy output equals plain decoding."""
+    target = tiny_target(scale=3.0)
+    model = _model(target, "dflash", "none", None)
+    out, _ = _export(model, target, tmp_path, "dflash")
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("sample_from_anchor", L.EXTENSION_KEY, "markov_rank", "enable_confidence_head"):
+        cfg.pop(key, None)
+    cfg.update(architectures=["DFlashDraftModel"], block_size=4)        # 3 drafts + the anchor slot
+    cfg["dflash_config"]["block_size"] = 4
+    (out / "config.json").write_text(json.dumps(cfg))
+    imported = load_foreign(out, target.config, target.embed, target.lm_head)
+    assert not imported.config.sample_from_anchor and imported.config.block_size == 3
+    ids = [1, 3, 2, 4, 0, 2, 1, 3]
+    kv = target.new_cache(1, 32)
+    slot = kv.allocate()
+    feats = torch.cat(target(torch.tensor(ids), [(slot, len(ids))], kv, feature_layers=(0, 2),
+                             logits_rows=None).features, -1)
+    a = 5
+    ctx = DraftContext(ids[:a + 1], SamplingParams(temperature=1.0), torch.Generator().manual_seed(1), 3,
+                       features=[feats[:a]])
+    prop = DSparkDrafter(imported, target).propose([ctx])[0]
+    imported.config.block_size = 4                  # the training forward over all 4 slots
+    with torch.no_grad():
+        _, logits, _ = imported.forward_train(feats[:a], torch.tensor(ids), torch.tensor([a]))
+    for k in range(3):
+        assert torch.allclose(prop.probs[k], logits[0, k + 1].softmax(-1), atol=1e-5), k
+    imported.config.block_size = 3
+    greedy = SamplingParams(temperature=0)
+    drafter = load_drafter(str(out), as_target(target))
+    for prompt in ([1, 2, 3], [4, 4, 1, 0, 2]):
+        outs = []
+        for d, block in ((None, 0), (drafter, 3)):
+            engine = Engine(target, d, FixedPolicy(block), max_requests=1, block_size=block, max_len=32)
+            r = engine.add_request(prompt, greedy, 12)
+            engine.run()
+            outs.append(r.output_ids)
+        assert outs[0] == outs[1]

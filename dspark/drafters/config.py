@@ -47,6 +47,10 @@ class DrafterConfig:
     # the Markov table W1 has a row per target token instead of one shared row for every token outside
     # the draft vocabulary: what an imported checkpoint in the engines' layout (``[vocab, rank]``) needs
     markov_full_table: bool = False
+    # the block is [anchor, MASK * (gamma - 1)] and every slot drafts the token after it (DeepSpec's
+    # DSpark, ours); false: [anchor, MASK * gamma], the anchor slot's output unused and slot k drafting
+    # the token at its own position (z-lab DFlash, SpecForge's bonus anchor): imported checkpoints only
+    sample_from_anchor: bool = True
     confidence_head: bool = True
     vocab_size: int = 49152             # the target's
     draft_vocab_size: int = 0           # 0 = the full target vocabulary

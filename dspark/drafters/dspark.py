@@ -329,7 +329,12 @@ class DSparkDrafter(Drafter):
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
         active = [c for c in contexts if c.num_draft > 0]
         steps = min(self.block_size, max((c.num_draft for c in active), default=0))
-        h = self._forward(contexts, active, steps)        # [R, g, d]; every context cache kept in step
+        # a bonus-anchor block (imported z-lab DFlash / SpecForge checkpoints, ``sample_from_anchor``
+        # false): [anchor, MASK * steps], the anchor slot's output unused, draft k read from slot k
+        bonus = 1 if steps and not self.config.sample_from_anchor else 0
+        h = self._forward(contexts, active, steps + bonus)  # [R, g, d]; every context cache kept in step
+        if bonus and h is not None:
+            h = h[:, 1:].contiguous()
         results = {id(c): Proposal.empty() for c in contexts}
         if not active:
             return [results[id(c)] for c in contexts]

@@ -59,8 +59,7 @@ def _hparams(folder: Path, raw: dict[str, Any]) -> dict[str, Any]:
     archs = raw.get("architectures") or []
     unsupported = [a for a in archs if a in L.KNOWN_UNSUPPORTED]
     if unsupported:
-        raise _bad(folder, f"architectures {unsupported[0]!r} is not supported (z-lab DFlash blocks predict each "
-                           f"slot's own token; supported: {', '.join(L.IMPORTABLE)})")
+        raise _bad(folder, f"architectures {unsupported[0]!r} is not supported (supported: {', '.join(L.IMPORTABLE)})")
     h = {**raw, **(raw.get("transformer_layer_config") or {})}
     dflash = raw.get("dflash_config") or {}
     if "aux_hidden_state_layer_ids" in raw and raw["aux_hidden_state_layer_ids"] is not None:
@@ -72,8 +71,12 @@ def _hparams(folder: Path, raw: dict[str, Any]) -> dict[str, Any]:
                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if h.get(key) is None:
             raise _bad(folder, f"config.json has no {key!r}")
-    if not h.get("sample_from_anchor", True):
-        raise _bad(folder, "sample_from_anchor false (a bonus anchor before the block) is not supported")
+    # the block: [anchor, MASK...] drafting from every slot (DeepSpec's DSpark, ours), or a bonus-anchor
+    # block whose anchor slot drafts nothing (z-lab DFlash); block_size counts the anchor slot in both
+    h["sample_from_anchor"] = bool(h.get("sample_from_anchor", not any(a in L.BONUS_ANCHOR_BY_DEFAULT for a in archs)))
+    h["drafts"] = int(h["block_size"]) - (0 if h["sample_from_anchor"] else 1)
+    if h["drafts"] < 1:
+        raise _bad(folder, f"block_size {h['block_size']} leaves no draft slot")
     rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise _bad(folder, f"rope type {rope.get('rope_type', rope.get('type'))!r} is not supported (default RoPE only)")
@@ -116,6 +119,9 @@ def load_foreign(folder: Path, target_config, embed: torch.Tensor, lm_head: torc
     if not ids or min(ids) < 0 or max(ids) >= tc.num_layers:
         raise _bad(folder, f"target_layer_ids {ids} out of range: the target has {tc.num_layers} layers, ids "
                            f"0..{tc.num_layers - 1} (output of layer L; speculators' aux ids are L + 1)")
+    if (folder / "mask_embedding.pt").is_file():     # z-lab MiMo's own mask vector: a pickle, never loaded
+        raise _bad(folder, "mask_embedding.pt is not read (a pickle): convert the mask vector into row "
+                           "mask_token_id of embed_tokens.weight")
     state = _read_tensors(folder)
     if L.FC not in state:
         raise _bad(folder, f"no {L.FC!r} tensor")
@@ -172,7 +178,8 @@ def load_foreign(folder: Path, target_config, embed: torch.Tensor, lm_head: torc
             num_hidden_layers=int(h["num_hidden_layers"]), num_attention_heads=heads,
             num_key_value_heads=int(h["num_key_value_heads"]), head_dim=int(h.get("head_dim") or d // heads),
             qk_norm="layers.0.self_attn.q_norm.weight" in state, rms_norm_eps=float(h.get("rms_norm_eps", 1e-6)),
-            rope_theta=h["rope_theta"], block_size=int(h["block_size"]), target_layer_ids=ids,
+            rope_theta=h["rope_theta"], block_size=h["drafts"], target_layer_ids=ids,
+            sample_from_anchor=h["sample_from_anchor"],
             mask_token_id=int(h["mask_token_id"]), markov_rank=rank if has_markov else 0,
             markov_head_type=head_type, markov_full_table=full_table, confidence_head=conf, vocab_size=V,
             target=str(ext.get("target") or ""), target_hidden_size=tc.hidden_size,

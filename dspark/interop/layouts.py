@@ -20,10 +20,12 @@ FORMATS = ("deepspec", "dflash", "speculators")
 # slot j (the anchor slot's output unused), while our blocks predict the next token from every slot,
 # anchor included (``sample_from_anchor``), which the DSpark names mean
 ARCHITECTURE = {"deepspec": "Qwen3DSparkModel", "dflash": "DSparkDraftModel", "speculators": "DSparkSpeculator"}
-# what the import accepts (llama.cpp's converter registers the same DSpark names)
-IMPORTABLE = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator")
+# what the import accepts (llama.cpp's converter registers the same names)
+IMPORTABLE = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "DFlashDraftModel")
+# z-lab's DFlash: a bonus-anchor block unless the config says otherwise (llama.cpp reads it so)
+BONUS_ANCHOR_BY_DEFAULT = ("DFlashDraftModel",)
 # foreign architectures recognised, so that they get a precise error instead of "not a drafter"
-KNOWN_UNSUPPORTED = ("DFlashDraftModel", "DFlash2DraftModel", "Lfm2DSparkDraftModel", "LingDSparkModel")
+KNOWN_UNSUPPORTED = ("DFlash2DraftModel", "Lfm2DSparkDraftModel", "LingDSparkModel")
 
 SGLANG_STS_FILE = "sts_calibration.json"    # SGLang's STS calibration (temperatures per position)
 EXTENSION_KEY = "dspark"                    # our own block in config.json: what the layouts cannot carry
