@@ -6,14 +6,18 @@ events, ``n`` choices, stop strings, seeds), ``GET /v1/models``, ``GET /health``
 
 One engine serves every request: it runs on a thread of its own (``EngineWorker``) and steps while
 any request is in flight, so that all of them share each target forward (continuous batching, up
-to ``max_requests`` at once, the rest queued). HTTP handlers only submit, cancel and read events;
-the engine thread hands each request's new tokens to its handler's event loop. A client that goes
-away (a closed stream, a dropped connection) cancels its requests and frees their cache slots.
+to ``max_requests`` at once, the rest queued). On the event loop, HTTP handlers only submit,
+cancel and read events; parsing, tokenising and grammar compilation run in worker threads, so that
+a large request holds up no other; the engine thread hands each request's new tokens to its
+handler's event loop. A client that goes away (a closed stream, a dropped connection, whether
+streaming or not) cancels its requests: they leave the gauges at once, their cache slots at the end
+of the step in flight.
 
-Errors come back in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-malformed or unsupported request (the message names the field), 401 without the API key when one
-is set, 404 for another model's name, 500 for a failure (the OpenAPI schema documents these, not
-FastAPI's 422). A failure while serving one request (its grammar, its sampling, its text) ends that
+Before any handler, the door (server_door.py) asks for the API key and bounds the body. Errors come
+back in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed
+or unsupported request (the message names the field), 401 without the API key when one is set, 404
+for another model's name, 413 for a body past the limit, 500 for a failure (the OpenAPI schema
+documents these, not FastAPI's 422). A failure while serving one request (its grammar, its sampling, its text) ends that
 request alone with a 500 or an error event in its stream; only a failure of the step shared by all
 (the target's forward) fails every request in flight. Either way the server goes on.
 """
@@ -299,7 +303,7 @@ class Server:
         self.tokenizer = target.tokenizer
         self.engine = engine
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_key = api_key      # what the door asks for (Door), kept here for the app's users
         self.max_prompts = max_prompts
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, self.metrics)
