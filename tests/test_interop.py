@@ -270,3 +270,26 @@ def test_zlab_dflash_bonus_anchor_block(tmp_path):
             engine.run()
             outs.append(r.output_ids)
         assert outs[0] == outs[1]
+
+
+def test_export_cli_errors_are_one_line(tmp_path, capsys):
+    from dspark.cli import main
+    assert main(["export", str(tmp_path / "nothing"), "--format", "deepspec", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "neither a trained drafter's folder" in err and "\n" not in err
+    assert main(["export", "dspark", "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
+
+
+def test_committed_dspark_drafter_export(tmp_path, capsys):
+    """Without q/k norms (today's committed drafter) the export is refused, naming why; with them
+    (the retrained one) it is exact."""
+    from dspark.cli import main
+    from dspark.drafters import CHECKPOINTS
+    from dspark.drafters.config import DrafterConfig
+    folder = CHECKPOINTS / "smollm2-135m-instruct" / "dspark"
+    rc = main(["export", str(folder), "--format", "deepspec", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    if DrafterConfig.load(folder).qk_norm:
+        assert rc == 0 and "exact:" in err
+    else:
+        assert rc == 2 and "qk_norm false" in err and not (tmp_path / "o").exists()

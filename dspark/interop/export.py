@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..drafters.config import DrafterConfig
 from ..drafters.dspark import DSparkModel
 from ..errors import UsageError
 from . import layouts as L
@@ -56,14 +57,17 @@ class ExportReport:
 
 
 def _check_exportable(model: DSparkModel, allow_inexact: bool, inexact: list[str]) -> None:
-    c = model.config
+    if model.confidence is not None and model.head is None:
+        raise UsageError("a confidence head without a Markov head has no layout in the engines")
+    _check_config(model.config, allow_inexact, inexact)
+
+
+def _check_config(c: DrafterConfig, allow_inexact: bool, inexact: list[str]) -> None:
     if c.kind == "eagle3":
         raise UsageError("an EAGLE-3 drafter has no DSpark / DFlash layout: export a dspark or dflash drafter")
     if c.markov_head_type not in ("vanilla", "none"):
         raise UsageError(f"markov_head_type {c.markov_head_type!r} has no layout in the engines (they load "
                          "'vanilla' only): export a drafter with a vanilla Markov head")
-    if model.confidence is not None and model.head is None:
-        raise UsageError("a confidence head without a Markov head has no layout in the engines")
     if c.hidden_size != c.target_hidden_size:
         raise UsageError(f"hidden_size {c.hidden_size} != target_hidden_size {c.target_hidden_size}: the "
                          "layouts take the drafter's width from the target's")
@@ -265,7 +269,6 @@ def export_drafter(drafter: str, fmt: str, out: Path, *, target: str | None = No
                    dtype: torch.dtype = torch.float32) -> ExportReport:
     """The CLI's entry: ``drafter`` is a trained drafter's folder or name (resolved for ``target``)."""
     from ..drafters import TRAINED_NAMES, trained_drafter_dirs
-    from ..drafters.config import DrafterConfig
     from ..runtime.loading import load_target
     path = Path(drafter).expanduser()
     if not (path / "config.json").is_file():
@@ -279,8 +282,7 @@ def export_drafter(drafter: str, fmt: str, out: Path, *, target: str | None = No
             raise UsageError(f"no trained {drafter!r} drafter for {name}")
         path = found[0]
     cfg = DrafterConfig.load(path)
-    if cfg.kind == "eagle3":
-        raise UsageError("an EAGLE-3 drafter has no DSpark / DFlash layout: export a dspark or dflash drafter")
+    _check_config(cfg, allow_inexact, [])          # what is refused, before the target is loaded
     t = load_target(target or cfg.target or None, dtype="fp32")
     tc = t.model.config
     if cfg.vocab_size != tc.vocab_size or cfg.target_hidden_size != tc.hidden_size:
