@@ -667,8 +667,10 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):   # an unknown route, a method it has not ...
-        return ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
-                        else "internal_error").response()
+        response = ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                            else "internal_error").response()
+        response.headers.update(e.headers or {})    # a 405's Allow: the methods the route has (RFC 9110)
+        return response
 
     @app.exception_handler(Exception)
     async def _failure(request, e: Exception):     # a bug: still an OpenAI-shaped 500, and logged

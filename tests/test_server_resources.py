@@ -86,6 +86,19 @@ def test_more_prompts_than_the_limit_is_a_400_naming_it(small, prompt):
     assert len(lists) == 2 and all(m["maxItems"] == 4 for m in lists), lists
 
 
+def test_a_method_a_route_lacks_is_a_405_saying_which_it_has(small):
+    """What a full schemathesis run (its coverage phase sends every method) found: the 405 lacked
+    the Allow header RFC 9110 requires."""
+    url, _ = small
+    for method, path, allowed in (("GET", "/v1/completions", "POST"), ("TRACE", "/health", "GET"),
+                                  ("DELETE", "/v1/models", "GET")):
+        req = urllib.request.Request(url + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 405 and e.value.headers["allow"] == allowed, (path, dict(e.value.headers))
+        assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+
 def test_the_cli_defaults_are_the_servers():
     from dspark.cli import build_parser
     args = build_parser().parse_args(["serve"])
