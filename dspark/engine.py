@@ -9,7 +9,9 @@ Requests join and leave at any step (continuous batching). Each step:
    plus the verified drafts of each decoding request, and chunks of new requests' prompts), each
    request attending only to its own cache slot;
 4. each request verifies its block (rejection sampling with its own generator), emits 1 to l+1
-   tokens, and its cache rolls back over the rejected drafts.
+   tokens, and its cache rolls back over the rejected drafts;
+5. the policy is told the step's outcome (scheduling.base.StepOutcome): per request what was
+   drafted, verified and accepted, the step's wall time, and which requests ended.
 
 A request holds one cache slot from admission to its end; a finished or cancelled request frees
 it at once, and requests wait in a queue while every slot is taken. With ``prefix_caching`` a freed
@@ -42,7 +44,8 @@ from .metrics import GenerationStats
 from .runtime.model import Decoder
 from .runtime.prefix_cache import PrefixCache
 from .sampling import SamplingParams, penalised_logits, sample_from_logits, token_logprobs
-from .scheduling.policies import FixedPolicy, Policy
+from .scheduling.base import Policy, RequestOutcome, StepOutcome
+from .scheduling.policies import FixedPolicy
 from .verify import verify
 
 if TYPE_CHECKING:
@@ -100,7 +103,7 @@ class Engine:
         # padded=True pads every request's block to the longest one in the step (the layout of a
         # dense [batch, block] verification), only to measure what the ragged layout saves
         self.padded = padded
-        self.cost_table = cost_table  # scheduling.sps.CostTable measured by `dspark profile`, or None
+        self.cost_table = cost_table  # scheduling.costs.CostTable measured by `dspark profile`, or None
         self.cache = target.new_cache(max_requests, max_len)
         # prefix_min_match: the fewest prompt tokens a slot must already hold to be reused for them
         self.prefix = PrefixCache(max_requests, max_len, min_match=prefix_min_match) if prefix_caching else None
@@ -110,7 +113,9 @@ class Engine:
         self.num_steps = 0
         self.step_seconds = 0.0     # wall time inside step()
         self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
-        self._decode_only = False   # the step running decodes without prefilling (its time goes to the policy)
+        self._decode_only = False   # the step running decodes without prefilling (its time prices a decoding step)
+        self._outcomes: list[RequestOutcome] = []   # the step's verified blocks, for the policy
+        self._left: list[int] = []  # ids of requests released since the policy was last told
         self.isolate_failures = isolate_failures   # a failure serving one request ends it alone (see above)
 
     # ------------------------------------------------------------------ requests
@@ -209,6 +214,7 @@ class Engine:
             req.slot = None
         if req.ctx is not None:
             self.drafter.release(req.ctx)
+        self._left.append(req.id)
 
     def _fail(self, req: Request, e: Exception) -> None:
         """A failure serving ``req`` alone: with ``isolate_failures`` it ends ``req`` (status "failed",
@@ -228,13 +234,20 @@ class Engine:
         """Advance every running request by one target forward; returns requests that ended."""
         t0 = time.perf_counter()
         self._decode_only = False
+        self._outcomes = []
         try:
             return self._step()
         finally:
             dt = time.perf_counter() - t0
             self.step_seconds += dt
-            if self._decode_only:
-                self.policy.observe_step(dt)
+            self._observe(dt)
+
+    def _observe(self, seconds: float) -> None:
+        """Hand the policy the step's outcome: per request its block as verified, the step's time,
+        and the requests released since the last step (ended, cancelled or failed)."""
+        outcome = StepOutcome(tuple(self._outcomes), seconds, self._decode_only, tuple(self._left))
+        self._outcomes, self._left = [], []
+        self.policy.observe(outcome)
 
     @torch.inference_mode()
     def _step(self) -> list[Request]:
@@ -245,11 +258,12 @@ class Engine:
         decode = [r for r in self.running if r.ctx is not None]
         prefill = [r for r in self.running if r.ctx is None]
 
-        proposals = self._draft(decode)
+        proposals, drafted = self._draft(decode)
         failed = [r for r in decode if r.done]      # its drafting failed: it ended alone
         if failed:
             kept = [i for i, r in enumerate(decode) if not r.done]
             decode, proposals = [decode[i] for i in kept], [proposals[i] for i in kept]
+            drafted = [drafted[i] for i in kept]
 
         ids: list[int] = []
         segments: list[tuple[int, int]] = []
@@ -303,7 +317,7 @@ class Engine:
                     self.prefix.store_features(r.slot, r.prefilled - n, feats[start:start + n])
         ended = failed
         at = 0
-        for r, p, sent, start in zip(decode, proposals, seg_len, seg_start):
+        for r, p, sent, start, d in zip(decode, proposals, seg_len, seg_start, drafted):
             assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
             assert out.logits is not None   # every decoding request has logits rows
             l = len(p)
@@ -332,6 +346,7 @@ class Engine:
                     s.accepted_per_position.extend([0] * (l - len(s.accepted_per_position)))
                 for i in range(n):
                     s.accepted_per_position[i] += 1
+            self._outcomes.append(RequestOutcome(r.id, d, l, n, p.free, p.forced))
             if self._emit(r, p.tokens[:n].tolist() + [nxt], logits):
                 ended.append(r)
         for r, _, n, scored, completes in chunks:
@@ -383,16 +398,17 @@ class Engine:
             logits[:early, list(r.stop_ids)] = float("-inf")
         return logits
 
-    def _draft(self, decode: list[Request]) -> list[Proposal]:
+    def _draft(self, decode: list[Request]) -> tuple[list[Proposal], list[int]]:
+        """(the block each request verifies, how many tokens the drafter proposed it): the policy
+        says how many to draft, the drafter proposes them, the policy says how many to verify."""
         proposals = [Proposal.empty() for _ in decode]
         if not decode:
-            return proposals
+            return proposals, []
         ctxs = cast(list[DraftContext], [r.ctx for r in decode])   # decoding requests all have a context
-        if self.policy.uses_free_drafts:   # what each request could draft at no cost
-            for c, n in zip(ctxs, self.drafter.free_lengths(ctxs)):
-                c.state["_free"] = n
+        # what each request could draft at no cost, for the policies that weigh it
+        free = self.drafter.free_lengths(ctxs) if self.policy.uses_free_drafts else None
         t0 = time.perf_counter()
-        want = self.policy.draft_lengths(decode, self.block_size)
+        want = self.policy.draft_lengths(decode, self.block_size, free)
         self.policy_seconds += time.perf_counter() - t0
         active = []
         for i, (r, w) in enumerate(zip(decode, want)):
@@ -407,6 +423,12 @@ class Engine:
         lengths = self.policy.verify_lengths(decode, proposals)
         self.policy_seconds += time.perf_counter() - t0
         out = [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
+        self._jump_forward(decode, out)
+        return out, [len(p) for p in proposals]
+
+    def _jump_forward(self, decode: list[Request], out: list[Proposal]) -> None:
+        """Under a grammar: the tokens it forces replace a block that does not start with them, and
+        a lookup's block ends before its first forbidden token."""
         for i, r in enumerate(decode):
             if r.grammar is None or r.done:
                 continue
@@ -421,7 +443,6 @@ class Engine:
                     out[i] = out[i].truncate(r.grammar.valid_prefix(out[i].tokens.tolist()))
             except Exception as e:     # its grammar: it alone ends
                 self._fail(r, e)
-        return out
 
     def _propose(self, reqs: list[Request]) -> list[Proposal]:
         """The drafter's proposals for these requests, in one call; if that call fails (with
@@ -489,7 +510,7 @@ def serving_policy(target, drafter, name: str):
     """(a fresh policy, the cost table it prices with) for --policy ``name``: "auto" = prefix where
     `dspark profile` has measured a cost table for this target and drafter, else the whole block."""
     from .scheduling.policies import make_policy
-    from .scheduling.sps import CostTable, table_key_for
+    from .scheduling.costs import CostTable, table_key_for
     table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
     if name == "auto":
         name = "prefix" if table is not None else "fixed"

@@ -1,7 +1,7 @@
 """Where a confidence policy's decision time goes: wall time per engine step of its draft and verify
 decisions and of the parts inside them (the depth search, Algorithm 1, noting the proposals, ...),
-with how often each runs. A diagnostic outside the package; it wraps the methods by name, so it
-runs on older commits of the policies too (parts a commit lacks are skipped).
+with how often each runs. A diagnostic outside the package; it wraps the methods and functions by
+name (parts a commit lacks are skipped).
 
 Closed-loop clients as in `dspark bench concurrency` (the committed DSpark drafter, temperature 1,
 the cost table `dspark profile --drafter dspark ...` measured on this machine):
@@ -21,12 +21,14 @@ from dspark.drafters import load_drafter
 from dspark.evaluation import concurrency as conc
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.scheduling import confidence
-from dspark.scheduling.sps import CostTable, table_key_for
+from dspark.scheduling import asynchronous, load_aware, prefix
+from dspark.scheduling.costs import CostTable, table_key_for
 
-METHODS = ["draft_lengths", "verify_lengths", "_draft_depth", "_refresh", "_with_free", "_note_proposals",
-           "_expect", "_settle_free", "_unchanged_since_no", "_probe"]
-FUNCTIONS = ["prefix_schedule", "_survivals", "_record", "_drafted", "_backlog", "_context"]
+METHODS = ["draft_lengths", "verify_lengths", "_draft_depth", "_depth", "_refresh", "_learn", "_with_free",
+           "_note_proposals", "_schedule", "_expect", "_settle_free", "_unchanged_since_no", "_probe", "_record",
+           "backlog"]
+# looked up in the modules that call them (prefix.py, asynchronous.py, load_aware.py)
+FUNCTIONS = ["prefix_schedule", "survivals", "sorted_candidates", "drafted", "context_length"]
 
 
 def main():
@@ -61,8 +63,9 @@ def main():
 
     for name in METHODS:
         wrap(policy, name)
-    for name in FUNCTIONS:
-        wrap(confidence, name)
+    for module in (prefix, asynchronous, load_aware):
+        for name in FUNCTIONS:
+            wrap(module, name)
     res = conc.run_closed_loop(target, drafter, policy, prompts, args.concurrency, args.max_new_tokens,
                                SamplingParams(temperature=1.0, seed=0), drafter.block_size, cost_table=table)
     steps = res["engine_steps"]

@@ -21,9 +21,9 @@ from dspark.drafters import load_drafter
 from dspark.engine import Engine
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.scheduling.confidence import _survivals
+from dspark.scheduling.algorithm1 import survivals
 from dspark.scheduling.policies import make_policy
-from dspark.scheduling.sps import CostTable, table_key_for
+from dspark.scheduling.costs import CostTable, table_key_for
 
 
 def run(target, drafter, table, policy_name, prompts, C, new_tokens):
@@ -52,7 +52,7 @@ def run(target, drafter, table, policy_name, prompts, C, new_tokens):
         out = inner_verify(requests, proposals)
         if hasattr(policy, "profile"):
             prof = policy.profile.conditional()
-            cur["expected"] += sum(sum(_survivals(p, prof)[:n]) for p, n in zip(proposals, out))
+            cur["expected"] += sum(sum(survivals(p, prof)[:n]) for p, n in zip(proposals, out))
         cur["verified"] += sum(out)
         return out
 

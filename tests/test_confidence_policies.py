@@ -16,9 +16,10 @@ from scipy.stats import chisquare
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.sampling import SamplingParams
-from dspark.scheduling.confidence import prefix_schedule
+from dspark.scheduling.algorithm1 import prefix_schedule
+from dspark.scheduling.base import StepOutcome
 from dspark.scheduling.policies import make_policy
-from dspark.scheduling.sps import CostTable
+from dspark.scheduling.costs import CostTable
 from dspark.verify import verify
 
 from _lossless import chi2_pvalue, exact_law
@@ -68,23 +69,27 @@ class _Spy:
         self.policy, self.name, self.lengths = policy, policy.name, set()
         self.uses_free_drafts = policy.uses_free_drafts
 
-    def draft_lengths(self, requests, block_size):
-        return self.policy.draft_lengths(requests, block_size)
+    def draft_lengths(self, requests, block_size, free=None):
+        return self.policy.draft_lengths(requests, block_size, free)
 
     def verify_lengths(self, requests, proposals):
         out = self.policy.verify_lengths(requests, proposals)
         self.lengths.update(out)
         return out
 
-    def observe_step(self, seconds):
-        self.policy.observe_step(seconds)
+    def observe(self, outcome):
+        self.policy.observe(outcome)
 
 
 def _requests(n: int):
     """Stand-ins for n decoding requests with nothing drafted yet (what the policies read of them)."""
     from types import SimpleNamespace
-    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], state={}, features=[]), stats=SimpleNamespace(
-        accepted_per_position=[], num_drafts=0, num_accepted_tokens=0)) for i in range(n)]
+    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], features=[])) for i in range(n)]
+
+
+def _timed(seconds: float) -> StepOutcome:
+    """A decoding step's outcome that tells only its time (no block verified)."""
+    return StepOutcome((), seconds, decode_only=True)
 
 
 def _cost_table():
@@ -114,7 +119,7 @@ def test_every_policy_keeps_the_target_distribution(policy):
 
 def test_async_capacity_recovers_after_a_step_that_drafted_nothing():
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import AsyncPolicy
+    from dspark.scheduling.asynchronous import AsyncPolicy
     cheap = CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.01, 1.03], [1.4, 1.42, 1.45], [2.5, 2.52, 2.6]]])
     pol = AsyncPolicy(cheap, block=3)
@@ -172,7 +177,7 @@ def test_probes_cost_at_most_their_budget(name):
             props = [Proposal(torch.tensor([1] * w), None, torch.tensor([0.01] * w)) if w else Proposal.empty()
                      for w in want]
             pol.verify_lengths(reqs, props)
-            pol.observe_step(probe_seconds if any(want) else 1.0)
+            pol.observe(_timed(probe_seconds if any(want) else 1.0))
             if any(want):
                 steps.append(i)
         return steps
@@ -187,7 +192,7 @@ def test_prefix_drafts_only_as_deep_as_the_profile_pays():
     """Drafting costs before any confidence exists: the prefix policy drafts to the depth that
     maximises expected tokens per second on the observed acceptance profile (past steps only), and
     probes one token now and then when no depth pays."""
-    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.prefix import PrefixPolicy
 
     def reqs():
         return _requests(1)
@@ -213,7 +218,7 @@ def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
     tokens get verified: the prefix policy weighs drafting by the calibrated survivals of all
     proposals (tracked over steps), so confident-looking history does not keep it drafting."""
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [1.4, 1.9, 2.4]]])
     pol = PrefixPolicy(table, block=3)
@@ -231,7 +236,7 @@ def test_async_drafts_only_for_requests_that_held_part_of_the_capacity():
     """K is priced as K verified tokens; a drafter forward over every request would cost more than
     that. Requests whose survivals two steps ago held none of the top K draft nothing."""
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import AsyncPolicy
+    from dspark.scheduling.asynchronous import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.05, 1.2], [1.4, 1.9, 2.4]]])
     pol = AsyncPolicy(table, block=3)
@@ -252,7 +257,7 @@ def test_async_prices_the_fixed_cost_of_a_drafter_call():
     all-drafting step's extra (0.125 s), but a drafter call for one request costs what the table
     measured for it (0.3 - 0.35 s) on top of the target's part (0.025 s): one request's candidate
     that survives 90 % of the time pays under the first price, not the second."""
-    from dspark.scheduling.confidence import AsyncPolicy
+    from dspark.scheduling.asynchronous import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
     reqs = _requests(8)
@@ -284,7 +289,7 @@ def _run_dearer_drafting(pol, table, reqs, steps: int) -> list[int]:
         n = sum(1 for w in want if w)
         extra = (table.target_seconds(8, sum(lengths) / 8, 8) - 1.4
                  + table.drafter_seconds(n, sum(want) / max(1, n), 8))
-        pol.observe_step(1.4 + 3 * extra)
+        pol.observe(_timed(1.4 + 3 * extra))
         wants.append(sum(want))
     return wants
 
@@ -295,8 +300,8 @@ def test_cost_model_learns_what_steps_really_cost():
     1 for 1.4 s), learns the real price from the steps it ran and falls back to plain decoding
     with a probe now and then (1.3 tokens for 2.0 s do not pay). Plain steps correct the plain
     price alike."""
-    from dspark.scheduling.confidence import PrefixPolicy
-    from dspark.scheduling.sps import CostModel
+    from dspark.scheduling.prefix import PrefixPolicy
+    from dspark.scheduling.costs import CostModel
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
     pol = PrefixPolicy(table, block=3)
@@ -326,7 +331,7 @@ def test_a_slow_spell_over_plain_steps_does_not_lock_the_policy_into_drafting():
     steps look nearly free; the old two-factor correction learnt that and, never seeing another plain
     step, drafted for ever. Now the policy runs a plain reference step among its drafting steps,
     the spell's plain steps go stale, and it learns the real price and stops drafting."""
-    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
     pol = PrefixPolicy(table, block=3)
@@ -345,7 +350,7 @@ def test_async_verifies_no_token_whose_survival_does_not_pay_for_its_verificatio
     """Verifying one more token adds 0.025 s to a 2.0 s step of 8 requests (0.25 s a token): of
     the top K, a token that survives less than 10 % of the time is not worth verifying."""
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import AsyncPolicy
+    from dspark.scheduling.asynchronous import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
     pol = AsyncPolicy(table, block=3)
@@ -365,7 +370,7 @@ def test_prefix_drafts_when_the_confident_few_pay_for_the_call_and_stops_when_th
     those two: 9.9 tokens in 1.7 s against 8 in 1.4 s) where verifying every draft would not (10 in
     2.0 s). Only recent proposals count: once 64 hopeless ones followed, drafting stops."""
     from dspark.drafters.base import Proposal
-    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 2.0, 2.8]]], draft=[[[0, 0.05, 0.05], [0, 0.2, 0.4]]])
     pol = PrefixPolicy(table, block=3)
@@ -390,7 +395,7 @@ def test_drafting_prices_the_context_a_request_hands_the_drafter_after_a_pause()
     """A request that has not drafted for a while hands the drafter every position since, all at
     its next call (0.01 s a row here): 16 requests x 40 rows pending make drafting dear, though one
     row each would let it pay. The catch-up goes into the price the cost model checks too."""
-    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 16], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]],
                       context_row=0.01)
@@ -401,7 +406,6 @@ def test_drafting_prices_the_context_a_request_hands_the_drafter_after_a_pause()
         pol.profile.hits, pol.profile.tries = [0.5, 0.5, 0.5], [1.0] * 3
         for r in reqs:
             r.ctx.features[:] = [torch.zeros(1, 4)] * rows
-            r.ctx.state.clear()
         return pol, pol.draft_lengths(reqs, 3)
 
     pol, want = wants(1)
@@ -447,7 +451,7 @@ def test_a_search_that_found_nothing_pays_is_not_repeated_until_what_it_read_cha
 def test_probes_thin_out_the_further_drafting_is_from_paying():
     """A probe's news matters when drafting nearly pays. The gap between probes stretches as the
     last search's best drafting step falls from plain decoding's tokens/s to 80 % of it, up to 16x."""
-    from dspark.scheduling.confidence import PrefixPolicy
+    from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.25, 1.5], [1.0, 1.25, 1.5]]], draft=[[[0, 0.25, 0.25], [0, 0.25, 0.25]]])
     reqs = _requests(2)
@@ -522,11 +526,11 @@ def test_a_held_depth_is_searched_again_when_first_token_survival_falls():
 
 
 def test_recent_running_totals_match_the_last_rows():
-    """_Recent's per-position totals (what expected_survivals reads) equal a recount over the rows
+    """RecentSurvivals's per-position totals (what expected_survivals reads) equal a recount over the rows
     it holds, through the ring's wrap-around, rows of every length and a widening row."""
-    from dspark.scheduling.confidence import _Recent
+    from dspark.scheduling.profile import RecentSurvivals
     rng = np.random.default_rng(0)
-    ring, added = _Recent(5, width=3), []
+    ring, added = RecentSurvivals(5, width=3), []
     for i in range(23):
         row = list(np.cumprod(rng.random(rng.integers(1, 5 if i < 15 else 7))))
         ring.add(row)
@@ -542,7 +546,6 @@ def test_vectorised_algorithm1_equals_the_loop():
     """prefix_schedule priced by one vectorised call (sps_many) picks what the candidate-by-candidate
     loop picks, on random monotone survivals and convex prices."""
     import numpy as np
-    from dspark.scheduling.confidence import prefix_schedule
     rng = np.random.default_rng(0)
     for _ in range(2000):
         R = int(rng.integers(1, 17))      # up to 16 x 7 candidates: both paths (the vectorised above 24)

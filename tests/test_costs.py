@@ -13,7 +13,7 @@ from dspark.errors import DsparkError
 from dspark.runtime.loading import Target
 from dspark.runtime.model import Decoder
 from dspark.evaluation import profile as prof
-from dspark.scheduling import sps
+from dspark.scheduling import costs
 
 
 def _target():
@@ -34,8 +34,8 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     assert len(table.seconds) == 2 and len(table.seconds[0]) == 2 and len(table.seconds[0][0]) == 3
     assert all(s > 0 for c in table.seconds for r in c for s in r)
     path = table.save()
-    assert path == sps.table_path(table.key)
-    again = sps.CostTable.find(table.key)
+    assert path == costs.table_path(table.key)
+    again = costs.CostTable.find(table.key)
     assert again.seconds == table.seconds
     # the prices: the measurements fitted non-decreasing (see the test below), interpolated
     # between grid points and clamped outside
@@ -54,17 +54,17 @@ def test_profile_save_load_lookup(tmp_path, monkeypatch):
     del old["draft"]
     path.write_text(json.dumps(old))
     with pytest.raises(DsparkError, match="older dspark"):
-        sps.CostTable.load(path)
-    assert sps.CostTable.find(table.key) is None      # found, but as good as missing (a warning says why)
+        costs.CostTable.load(path)
+    assert costs.CostTable.find(table.key) is None      # found, but as good as missing (a warning says why)
     bad = table.to_json()
     bad["verified"] = [0, 3, 2]
     path.write_text(json.dumps(bad))
     with pytest.raises(DsparkError, match="malformed"):
-        sps.CostTable.load(path)
+        costs.CostTable.load(path)
     path.write_text("{ not json")
     with pytest.raises(DsparkError, match="dspark profile"):
-        sps.CostTable.find(table.key)
-    assert sps.CostTable.find("no|such|table|key") is None
+        costs.CostTable.find(table.key)
+    assert costs.CostTable.find("no|such|table|key") is None
 
 
 def test_profile_runs_drafters_that_read_target_features():
@@ -85,14 +85,14 @@ def test_profile_runs_drafters_that_read_target_features():
     # on a busy machine, and the estimate is clamped at 0)
     row = prof.context_row_seconds(target, drafter, [[1, 2, 3, 4]], requests=2, context=256, repeats=3)
     assert 0 < row < 0.01
-    assert sps.CostTable.load(sps.CostTable(**{**table.to_json(), "context_row": row}).save(
+    assert costs.CostTable.load(costs.CostTable(**{**table.to_json(), "context_row": row}).save(
         Path(tempfile.mkdtemp()) / "t.json")).context_row == row
 
 
 def test_a_drafter_call_is_priced_whole():
     """A step in which some requests draft = the target's part of a step at that many verified
     tokens + the drafter's call for the requests that drafted, never a fraction of a call."""
-    t = sps.CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+    t = costs.CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
     assert t.target_seconds(8, 1, 8) == pytest.approx(2.2)
     assert t.target_seconds(8, 0.5, 8) == pytest.approx(2.1)
@@ -107,7 +107,7 @@ def test_interpolation_is_bilinear_and_clamped():
     row, then across rows, as the reference), and clamps outside the measured range."""
     np = pytest.importorskip("numpy")
     grid = [[[1.0, 1.5, 2.5, 4.0], [2.0, 2.2, 3.0, 5.5], [4.0, 5.0, 7.0, 9.0]]]
-    t = sps.CostTable("tiny", requests=[1, 4, 16], verified=[0, 1, 3, 7], contexts=[64], seconds=grid,
+    t = costs.CostTable("tiny", requests=[1, 4, 16], verified=[0, 1, 3, 7], contexts=[64], seconds=grid,
                       draft=[[[0.0] * 4] * 3])
     rng = np.random.default_rng(0)
     for R, v in zip(rng.uniform(-2, 20, 300), rng.uniform(-1, 9, 300)):
@@ -123,7 +123,7 @@ def test_isotonic_fit_equals_scipy():
     for n in (1, 2, 6, 30):
         for _ in range(20):
             y = np.cumsum(rng.normal(0.2, 1.0, n))
-            np.testing.assert_allclose(sps.isotonic(y), optimize.isotonic_regression(y).x, atol=1e-12)
+            np.testing.assert_allclose(costs.isotonic(y), optimize.isotonic_regression(y).x, atol=1e-12)
 
 
 def test_prices_never_fall_with_more_rows_and_keep_the_measurements():
@@ -133,7 +133,7 @@ def test_prices_never_fall_with_more_rows_and_keep_the_measurements():
     np = pytest.importorskip("numpy")
     step = [[[21.0, 26.6, 24.8], [28.7, 29.7, 32.2], [25.7, 36.4, 45.0]]]
     draft = [[[0.0, 2.9, 3.1], [0.0, 3.7, 4.3], [0.0, 5.0, 4.7]]]
-    t = sps.CostTable("tiny", requests=[1, 2, 4], verified=[0, 1, 2], contexts=[8], seconds=step, draft=draft)
+    t = costs.CostTable("tiny", requests=[1, 2, 4], verified=[0, 1, 2], contexts=[8], seconds=step, draft=draft)
     target = np.array([[t.target_seconds(R, v, 8) for v in (0, 1, 2)] for R in (1, 2, 4)])
     calls = np.array([[t.drafter_seconds(R, v, 8) for v in (1, 2)] for R in (1, 2, 4)])
     for g in (target, calls):
@@ -142,7 +142,7 @@ def test_prices_never_fall_with_more_rows_and_keep_the_measurements():
         t.target_seconds(2, 1, 8) + t.drafter_seconds(2, 1, 8))
     assert t.to_json()["seconds"] == step and t.to_json()["draft"] == draft
     fine = [[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5], [2.5, 3.1, 4.0]]]
-    u = sps.CostTable("tiny", requests=[1, 2, 4], verified=[0, 1, 2], contexts=[8], seconds=fine)
+    u = costs.CostTable("tiny", requests=[1, 2, 4], verified=[0, 1, 2], contexts=[8], seconds=fine)
     assert [[u.step_seconds(R, v, 8) for v in (0, 1, 2)] for R in (1, 2, 4)] == fine[0]
 
 
@@ -155,12 +155,12 @@ def test_nearest_context_column_and_one_steps_pricer():
     contexts = [64, 256, 1024]
     seconds = rng.uniform(0.01, 0.05, (3, 3, 4)).tolist()
     draft = rng.uniform(0.0, 0.005, (3, 3, 4)).tolist()
-    t = sps.CostTable("tiny", requests=[1, 4, 16], verified=[0, 1, 3, 7], contexts=contexts,
+    t = costs.CostTable("tiny", requests=[1, 4, 16], verified=[0, 1, 3, 7], contexts=contexts,
                       seconds=seconds, draft=draft, context_row=1e-5)
     for c in [0, 64, 100, 160, 161, 640, 641, 5000]:
         want = min(range(3), key=lambda i: abs(contexts[i] - c))
         assert t.context_column(c) == want, c
-    model = sps.CostModel(t)
+    model = costs.CostModel(t)
     for step in range(60):          # plain and drafting steps, measured off the table
         extra = 0 if step % 3 == 0 else int(rng.integers(1, 20))
         drafting, rows = (0, 0) if extra == 0 else (4, 2)

@@ -245,7 +245,7 @@ def test_drafter_and_policy_variants_keep_greedy_output(drafter, policy):
     plain = [generate_ids(target, p, GREEDY, 24)[0] for p in prompts]
     if policy == "prefix":
         from dspark.scheduling.policies import make_policy
-        from dspark.scheduling.sps import CostTable
+        from dspark.scheduling.costs import CostTable
         table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                           seconds=[[[1.0, 1.02, 1.06], [1.4, 1.45, 1.55]]])
         policy = make_policy("prefix", 4, cost_table=table)

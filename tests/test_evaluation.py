@@ -41,7 +41,7 @@ def test_speed_bench_trained_drafter_with_policy(capsys, monkeypatch):
     assert rows["dspark@ema"]["speedup_vs_own_plain"] > 0
     for bad in ("dspark@warp", "hf-plain@prefix", "dspark@"):
         assert main(["bench", "speed", "--systems", bad]) == 2
-    from dspark.scheduling.sps import CostTable
+    from dspark.scheduling.costs import CostTable
     monkeypatch.setattr(CostTable, "find", classmethod(lambda cls, key: None))
     assert main(["bench", "speed", "--systems", "dspark@prefix", "--num-prompts", "1"]) == 2
     assert "dspark profile" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from ..engine import Engine, Request
 from ..runtime.loading import target_from_args
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
-from ..scheduling.sps import CostTable, table_key_for
+from ..scheduling.costs import CostTable, table_key_for
 
 
 def _policy(name: str, block: int, cost_table=None):

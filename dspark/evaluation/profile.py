@@ -13,7 +13,7 @@ from ..drafters.base import Drafter, Proposal
 from ..engine import Engine
 from ..sampling import SamplingParams
 from ..scheduling.policies import FixedPolicy
-from ..scheduling.sps import CostTable, table_key_for
+from ..scheduling.costs import CostTable, table_key_for
 
 
 class _ExactLength(Drafter):

@@ -25,7 +25,7 @@ from ..generation import generate_ids
 from ..runtime.loading import load_hf, target_from_args
 from ..sampling import SamplingParams
 from ..scheduling.policies import make_policy
-from ..scheduling.sps import CostTable, table_key_for
+from ..scheduling.costs import CostTable, table_key_for
 
 ALL_SYSTEMS = ("hf-plain", "hf-prompt-lookup", "plain", "ngram", "ngram-no-history", "ngram-hf-rule",
                "llama.cpp-plain", "llama.cpp-prompt-lookup")

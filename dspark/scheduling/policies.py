@@ -1,32 +1,19 @@
-"""Verification-length policies behind one interface.
-
-Each engine step a policy first says how many tokens to draft for each request
-(``draft_lengths``), then, seeing the proposals (tokens, probabilities, confidences), how many of
-them each request verifies (``verify_lengths``). A policy may only look at information available
-before the target verifies, so whatever it decides, the output stays the target's distribution.
-"""
+"""The verification-length policies by name: plain, MTP-1, fixed block, confidence threshold, EMA
+of acceptance, and the load-aware prefix (Algorithm 1) and async policies (prefix.py,
+asynchronous.py), all behind the interface of base.py."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from ..errors import UsageError
+from .asynchronous import AsyncPolicy
+from .base import Policy, RequestStates, StepOutcome
+from .prefix import PrefixPolicy
 
-
-class Policy:
-    name = "policy"
-    # True: before draft_lengths, the engine leaves in each request's ``ctx.state["_free"]`` how many
-    # tokens the drafter could propose it without a forward (Drafter.free_lengths)
-    uses_free_drafts = False
-
-    def draft_lengths(self, requests, block_size: int) -> list[int]:
-        """Tokens to draft per request (before clipping to what each request may still emit)."""
-        return [block_size] * len(requests)
-
-    def verify_lengths(self, requests, proposals) -> list[int]:
-        return [len(p) for p in proposals]
-
-    def observe_step(self, seconds: float) -> None:
-        """The wall time of the decoding step just decided (steps that also prefilled are not
-        reported): policies that weigh cost correct their cost table with it."""
+__all__ = ["Policy", "PlainPolicy", "FixedPolicy", "MTP1Policy", "ThresholdPolicy", "EMAPolicy",
+           "PrefixPolicy", "AsyncPolicy", "POLICY_NAMES", "make_policy"]
 
 
 class PlainPolicy(Policy):
@@ -34,7 +21,7 @@ class PlainPolicy(Policy):
 
     name = "plain"
 
-    def draft_lengths(self, requests, block_size):
+    def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
         return [0] * len(requests)
 
 
@@ -48,7 +35,7 @@ class FixedPolicy(Policy):
             raise UsageError(f"block must be >= 0, got {block}")
         self.block = block
 
-    def draft_lengths(self, requests, block_size):
+    def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
         return [block_size if self.block is None else self.block] * len(requests)
 
 
@@ -59,6 +46,73 @@ class MTP1Policy(FixedPolicy):
 
     def __init__(self):
         super().__init__(1)
+
+
+class ThresholdPolicy(Policy):
+    """Verify up to (not including) the first draft token whose confidence is below a threshold."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: float = 0.5, block: int | None = None):
+        if not 0.0 <= threshold <= 1.0:
+            raise UsageError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold, self.block = threshold, block
+        self.name = f"threshold-{threshold:g}"
+
+    def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
+        return [self.block or block_size] * len(requests)
+
+    def verify_lengths(self, requests, proposals):
+        out = []
+        for p in proposals:
+            n = len(p)
+            if p.confidences is not None:
+                below = [k for k, c in enumerate(p.confidences.tolist()) if c < self.threshold]
+                n = below[0] if below else n
+            out.append(n)
+        return out
+
+
+@dataclass
+class EMAState:
+    """What the EMA policy keeps of one request."""
+
+    ema: float | None = None   # accepted tokens per drafted block, averaged (None: no block verified yet)
+    drafts: int = 0            # drafted blocks verified since its last decision
+    accepted: int = 0          # and their accepted tokens
+
+
+class EMAPolicy(Policy):
+    """Draft length from an exponential moving average of each request's accepted tokens per round."""
+
+    name = "ema"
+
+    def __init__(self, alpha: float = 0.3, block: int | None = None, margin: int = 1):
+        if not 0.0 < alpha <= 1.0:
+            raise UsageError(f"EMA alpha must be in (0, 1], got {alpha}")
+        self.alpha, self.block, self.margin = alpha, block, margin
+        self.states: RequestStates[EMAState] = RequestStates(EMAState)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        for o in outcome.requests:
+            if o.speculated:
+                st = self.states[o.request_id]
+                st.drafts += 1
+                st.accepted += o.accepted
+        self.states.drop(outcome.ended)
+
+    def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
+        cap = self.block or block_size
+        out = []
+        for r in requests:
+            st = self.states[r.id]
+            if st.drafts:
+                acc = st.accepted / st.drafts
+                st.ema = (1 - self.alpha) * (acc if st.ema is None else st.ema) + self.alpha * acc
+                st.drafts = st.accepted = 0
+            ema = cap / 2 if st.ema is None else st.ema
+            out.append(max(1, min(cap, round(ema) + self.margin)))
+        return out
 
 
 POLICY_NAMES = ("plain", "mtp1", "fixed", "threshold", "ema", "prefix", "async")
@@ -74,18 +128,17 @@ def make_policy(name: str, block: int | None = None, *, cost_table=None, thresho
         return FixedPolicy(block)
     if name == "mtp1":
         return MTP1Policy()
-    from . import confidence
     if name == "threshold" or name.startswith("threshold-"):
         if name != "threshold":
             try:
                 threshold = float(name.split("-", 1)[1])
             except ValueError:
                 raise UsageError(f"policy {name!r}: expected threshold-X with X a number") from None
-        return confidence.ThresholdPolicy(threshold, block)
+        return ThresholdPolicy(threshold, block)
     if name == "ema":
-        return confidence.EMAPolicy(ema_alpha, block)
+        return EMAPolicy(ema_alpha, block)
     if name == "prefix":
-        return confidence.PrefixPolicy(cost_table, block)
+        return PrefixPolicy(cost_table, block)
     if name == "async":
-        return confidence.AsyncPolicy(cost_table, block)
+        return AsyncPolicy(cost_table, block)
     raise UsageError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,99 @@
+"""The policy interface, what the engine tells a policy after each step, and per-request state.
+
+Each engine step a policy first says how many tokens to draft for each request
+(``draft_lengths``), then, seeing the proposals (tokens, probabilities, confidences), how many of
+them each request verifies (``verify_lengths``). A policy may only look at information available
+before the target verifies, so whatever it decides, the output stays the target's distribution.
+After the target has verified, the engine hands the policy the step's outcome (``observe``): per
+request what was drafted, verified and accepted, the step's wall time, and which requests ended.
+A policy keeps what it learns of a request in a state of its own (``RequestStates``), created when
+the request first comes and dropped when the outcome says it ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """One decoding request's part of a step, as the target verified it."""
+
+    request_id: int
+    drafted: int          # tokens the drafter proposed (clipped to what the request may still emit)
+    verified: int         # tokens of the block the target verified (the policy's length, or the
+                          # grammar's forced tokens, or a lookup's block cut at its first forbidden token)
+    accepted: int         # of those, the tokens the target accepted
+    free: bool = False    # the block was a lookup's (no drafter forward)
+    forced: bool = False  # the block was what the request's grammar forces next (not a draft)
+
+    @property
+    def speculated(self) -> bool:
+        """A drafted block went to the target: what GenerationStats counts as a draft (``num_drafts``,
+        ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_position``)."""
+        return not self.forced and self.verified > 0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the engine tells the policy after each step."""
+
+    requests: tuple[RequestOutcome, ...]   # the decoding requests whose blocks were verified
+    seconds: float                         # the step's wall time
+    decode_only: bool                      # it verified decoding requests and prefilled no prompt:
+                                           # its time is the price of a decoding step
+    ended: tuple[int, ...] = ()            # ids of the requests that ended in it or since the last
+                                           # step (finished, cancelled, failed)
+
+
+S = TypeVar("S")
+
+
+class RequestStates(Generic[S]):
+    """A policy's typed state per request (by request id): made by ``factory`` on first use,
+    dropped with ``drop`` when the request has ended."""
+
+    def __init__(self, factory: Callable[[], S]):
+        self._factory = factory
+        self._states: dict[int, S] = {}
+
+    def __getitem__(self, request_id: int) -> S:
+        state = self._states.get(request_id)
+        if state is None:
+            state = self._states[request_id] = self._factory()
+        return state
+
+    def get(self, request_id: int) -> S | None:
+        """The request's state if it has one (without making one)."""
+        return self._states.get(request_id)
+
+    def drop(self, request_ids: Iterable[int]) -> None:
+        for i in request_ids:
+            self._states.pop(i, None)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._states
+
+
+class Policy:
+    name = "policy"
+    # True: the engine passes ``draft_lengths`` how many tokens the drafter could propose each request
+    # without a forward (Drafter.free_lengths)
+    uses_free_drafts = False
+
+    def draft_lengths(self, requests, block_size: int, free: Sequence[int] | None = None) -> list[int]:
+        """Tokens to draft per request (before clipping to what each request may still emit).
+        ``free``: per request, the tokens a lookup could propose at no cost (``uses_free_drafts``
+        policies only; None = none)."""
+        return [block_size] * len(requests)
+
+    def verify_lengths(self, requests, proposals) -> list[int]:
+        return [len(p) for p in proposals]
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """The step just run, after verification (every step, also those that prefilled)."""

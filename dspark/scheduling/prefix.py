@@ -1,0 +1,198 @@
+"""The prefix policy: Algorithm 1 over the engine's cost table, drafting only as deep as pays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .algorithm1 import prefix_schedule, survivals
+from .base import RequestOutcome
+from .load_aware import LoadAwarePolicy, LoadAwareState, context_length, drafted
+from .profile import FreeProfile
+
+
+@dataclass
+class PrefixState(LoadAwareState):
+    """What the prefix policy keeps of one request."""
+
+    last_verified: int | None = None    # the length it verified at its last step with a proposal
+    free_idle: int = 0                  # steps its free proposals went unverified in a row
+    free_pending: int = 0               # tokens of a free proposal verified this step (0: none)
+    # (verified, accepted) of the free proposal verified at its last step, for the free profile
+    free_settle: tuple[int, int] | None = None
+
+
+@dataclass
+class _HeldDepth:
+    """A depth the search found paying, held for the next steps while what it read stands."""
+
+    key: tuple[int, int, int]       # (requests, context column, cap) it was searched at
+    steps: int                      # steps it has been used
+    added: int                      # proposals the recent pool had taken then
+    depth: int
+    first: float | None             # the recent proposals' mean first-token survival then
+
+
+class PrefixPolicy(LoadAwarePolicy[PrefixState]):
+    """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting goes no deeper
+    than the depth that pays on the observed acceptance profile, and no more than one beyond what
+    the request verified last step; when no depth pays (heavy load, or a drafter whose drafts cost
+    more than they return) the engine runs plain decoding, with a one-token probe now and then."""
+
+    name = "prefix"
+    # the engine tells it, before it decides, what each request could draft for nothing (a lookup's
+    # proposal: the n-gram drafter's, or the hybrid's where its lookup matches): those are always
+    # drafted, and Algorithm 1 verifies of them what pays for its share of the target's step
+    uses_free_drafts = True
+    # while drafting pays, the depth found holds for up to this many steps, as long as the number of
+    # requests and the context column stay, fewer than 1/4 of the recent proposals it read were
+    # replaced since and their mean first-token survival moved by less than ``search_drift`` (with
+    # few requests, a handful of proposals a step move the pools little; a sudden fall is searched
+    # at once); the search, run right after a target forward has evicted the CPU caches, is most of
+    # the policy's decision time at one or two requests
+    search_every = 8
+    search_drift = 0.05
+
+    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
+                 probe_budget: float = 0.01, reference_every: int = 64, recent: int = 64):
+        super().__init__(cost_table, block, probe_every, probe_budget, reference_every, recent)
+        self.free_profile = FreeProfile(16)    # the lookups' own acceptance, from 1/2
+        self._held: _HeldDepth | None = None
+
+    def _new_state(self) -> PrefixState:
+        return PrefixState()
+
+    def _account(self, st: PrefixState, o: RequestOutcome) -> None:
+        super()._account(st, o)
+        if st.free_pending:
+            st.free_settle = (st.free_pending, o.accepted if o.speculated else 0)
+            st.free_pending = 0
+
+    # ------------------------------------------------------------------ draft lengths
+    def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
+        cap = self._refresh(requests, block_size)
+        free = list(free) if free is not None else [0] * len(requests)
+        depth = 0 if self._unchanged_since_no(requests) else self._depth(requests, cap)
+        if not depth:
+            return self._with_free(requests, self._probe(requests), block_size, free)
+        self._idle = 0
+        if self._reference_due():
+            return self._drafting(requests, [0] * len(requests))
+        want = []
+        for r in requests:
+            last = self.states[r.id].last_verified
+            want.append(min(depth, (depth - 1 if last is None else last) + 2))
+        return self._with_free(requests, want, block_size, free)
+
+    def _depth(self, requests, cap: int) -> int:
+        """The depth that pays: the held one while what its search read stands, else searched."""
+        key, held, first = (self._key[0], self._key[3], cap), self._held, self._recent.mean(0)
+        if (held is not None and held.key == key and held.steps < self.search_every
+                and self._recent.added - held.added < self._recent.size / 4
+                and first is not None and held.first is not None and abs(first - held.first) < self.search_drift):
+            held.steps += 1
+            return held.depth
+        depth = self._draft_depth(requests, cap)
+        self._found(depth > 0)
+        self._held = _HeldDepth(key, 1, self._recent.added, depth, first) if depth else None
+        return depth
+
+    def _with_free(self, requests, want: list[int], block_size: int, free: list[int]) -> list[int]:
+        """``want`` for the drafter's forward; a request with a free proposal drafts all of it
+        instead (and hands the drafter no context rows this step)."""
+        if not any(free):
+            return self._drafting(requests, want)
+        if self._probed is not None and free[self._probed]:
+            self._probed = None         # the lookup serves it: no probe of the drafter this step
+        self._drafting(requests, [0 if f else w for w, f in zip(want, free)])
+        return [min(f, block_size) if f else w for w, f in zip(want, free)]
+
+    def _draft_depth(self, requests, cap: int) -> int:
+        """How deep drafting can pay this step: the depth d maximising the expected tokens per second
+        of drafting d tokens for every request and then verifying, as Algorithm 1 would, the most
+        likely of them, against plain decoding. The survivals the R requests will show are taken to
+        be distributed as those of the recent proposals (``_pooled``, past steps only): each
+        position's pool stands for R candidates, so verifying the candidates down to a survival
+        lambda verifies R x (the pool's share above lambda) tokens and returns R x (their mean
+        survival x that share); every lambda is tried. Drafting is priced by the cost table for
+        all R requests at depth d, verification by the tokens verified."""
+        R = len(requests)
+        ctx = context_length(requests)
+        plain = R / self.cost.seconds(R, 0, ctx, 0)
+        vals, pos, weights = self._pooled(cap, R)
+        order = np.argsort(-vals, kind="stable")
+        vals, pos, weights = vals[order], pos[order], weights[order]
+        # row d - 1: drafting d tokens; candidates deeper than d count for nothing in that row
+        w = np.where(pos[None, :] < np.arange(1, cap + 1)[:, None], weights[None, :], 0.0)
+        extra = np.cumsum(w, axis=1)
+        tau = R + np.cumsum(w * vals[None, :], axis=1)
+        backlog = [self.backlog(r, 0) for r in requests]
+        rows = [sum(max(0, b - d) for b in backlog) for d in range(1, cap + 1)]
+        theta = tau / self.cost.seconds_many(R, extra, ctx, list(range(1, cap + 1)), rows)
+        best = theta.max(axis=1)
+        d = int(np.argmax(best))
+        self._ratio = float(best[d]) / plain
+        return d + 1 if best[d] > plain else 0
+
+    # ------------------------------------------------------------------ verify lengths
+    def verify_lengths(self, requests, proposals):
+        if not requests:
+            return []
+        prof = self.profile.conditional()
+        self._settle_free(requests)
+        free_prof = self.free_profile.conditional() if any(p.free for p in proposals) else prof
+        surv = [survivals(p, free_prof if p.free else prof) for p in proposals]
+        self._note_proposals(proposals, surv)
+        n_drafting, depth = drafted(proposals)
+        lengths = self._schedule(requests, proposals, surv, n_drafting, depth)
+        for i, (r, p) in enumerate(zip(requests, proposals)):
+            st = self.states[r.id]
+            if p.free and len(p):
+                lengths[i] = self._explore_free(st, lengths[i])
+                st.free_pending = lengths[i]
+            if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
+                st.last_verified = lengths[i]
+        self._record(requests, lengths)
+        self._expect(requests, lengths, n_drafting, depth)
+        return lengths
+
+    def _schedule(self, requests, proposals, surv, n_drafting: int, depth: float) -> list[int]:
+        """Algorithm 1 over the step's candidates; a probe is verified whole, free proposals beside
+        it as on any step."""
+        # the drafter's call is paid already: a longer verification costs only the target's part
+        ctx, R = context_length(requests), len(requests)
+        price = self.cost.pricer(R, ctx, n_drafting, depth, self._rows)
+
+        def sps(B):             # B: a number, or (sps_many) an array of them
+            return 1.0 / price(B - R)
+        if self._probed is None:
+            return prefix_schedule(surv, sps, sps_many=sps)
+        i = self._probed
+        lengths = (prefix_schedule([a if j != i else [] for j, a in enumerate(surv)], sps, sps_many=sps)
+                   if any(p.free and len(p) for p in proposals) else [0] * R)
+        lengths[i] = len(proposals[i])
+        return lengths
+
+    def _settle_free(self, requests) -> None:
+        """Learn the free proposals' acceptance per position from what the target accepted of the
+        ones verified last step (their own profile: a lookup's acceptance is not the drafter's)."""
+        for r in requests:
+            st = self.states.get(r.id)
+            if st is not None and st.free_settle is not None:
+                self.free_profile.observe(*st.free_settle)
+                st.free_settle = None
+
+    def _explore_free(self, st: PrefixState, n: int) -> int:
+        """A request whose free proposals went unverified ``probe_every`` times verifies one token of
+        the next: the free profile keeps learning (one token costs little; never learning again
+        after a bad spell costs the lookups' whole gain)."""
+        if n:
+            st.free_idle = 0
+            return n
+        st.free_idle += 1
+        if st.free_idle >= self.probe_every:
+            st.free_idle = 0
+            return 1
+        return 0
