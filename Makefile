@@ -20,7 +20,10 @@ DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef 
 # anchor; the other recipes train on the regenerated answers alone.
 NUM_PROMPTS ?= 8000
 CORPUS_FLAGS ?= --corpus --positions 4000000 --anchors 0 --batch-size 8 --epochs 1 --schedule wsd --decay 0.2 \
-	--loss kl+tv --lr 1e-3
+	--loss kl+tv --lr 6e-4
+# the main recipes start from the committed drafters' weights (a fresh machine resumes from git; a
+# run's own checkpoint, where one exists, resumes exactly instead)
+COMMITTED = dspark/checkpoints/smollm2-135m-instruct
 TRAIN_FLAGS ?= --online --epochs 4 --batch-size 8 --anchors 64
 RECIPES ?= dflash-5 eagle3 dspark-rnn
 LR_dflash-5 ?= 2e-3
@@ -76,8 +79,8 @@ qwen-coder: $(STAMP)
 drafters: $(TRAIN_STAMP)
 	$(BIN)/dspark prepare --num-prompts $(NUM_PROMPTS)
 	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS) --concurrency 64 --max-new-tokens 256
-	$(BIN)/dspark train --recipe dspark $(CORPUS_FLAGS)
-	$(BIN)/dspark train --recipe dflash $(CORPUS_FLAGS)
+	$(BIN)/dspark train --recipe dspark $(CORPUS_FLAGS) --init-weights $(COMMITTED)/dspark
+	$(BIN)/dspark train --recipe dflash $(CORPUS_FLAGS) --init-weights $(COMMITTED)/dflash
 	$(foreach r,$(RECIPES),$(BIN)/dspark train --recipe $(r) --lr $(or $(LR_$(r)),2e-3) $(TRAIN_FLAGS) &&) true
 	$(BIN)/dspark calibrate --shift --drafter $(DRAFTERS_DIR)/dspark
 
