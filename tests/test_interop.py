@@ -156,15 +156,20 @@ def test_greedy_through_an_imported_drafter_equals_plain(tmp_path):
     out, _ = _export(model, target, tmp_path, "speculators")
     drafter = load_drafter(str(out), as_target(target))        # by path, as --drafter PATH
     assert isinstance(drafter, DSparkDrafter) and drafter.config.qk_norm
+    _assert_greedy_equals_plain(target, drafter, ([1, 2, 3], [4, 4, 1, 0, 2], [3]))
+
+
+def _assert_greedy_equals_plain(target, drafter, prompts) -> None:
+    """Greedy output with the drafter (whole block of 3) equals plain decoding, prompt by prompt."""
     greedy = SamplingParams(temperature=0)
-    for prompt in ([1, 2, 3], [4, 4, 1, 0, 2], [3]):
+    for prompt in prompts:
         outs = []
         for d, block in ((None, 0), (drafter, 3)):
             engine = Engine(target, d, FixedPolicy(block), max_requests=1, block_size=block, max_len=32)
             r = engine.add_request(prompt, greedy, 12)
             engine.run()
             outs.append(r.output_ids)
-        assert outs[0] == outs[1]
+        assert outs[0] == outs[1], prompt
 
 
 def _edit(out, **changes):
@@ -260,16 +265,8 @@ def test_zlab_dflash_bonus_anchor_block(tmp_path):
     for k in range(3):
         assert torch.allclose(prop.probs[k], logits[0, k + 1].softmax(-1), atol=1e-5), k
     imported.config.block_size = 3
-    greedy = SamplingParams(temperature=0)
     drafter = load_drafter(str(out), as_target(target))
-    for prompt in ([1, 2, 3], [4, 4, 1, 0, 2]):
-        outs = []
-        for d, block in ((None, 0), (drafter, 3)):
-            engine = Engine(target, d, FixedPolicy(block), max_requests=1, block_size=block, max_len=32)
-            r = engine.add_request(prompt, greedy, 12)
-            engine.run()
-            outs.append(r.output_ids)
-        assert outs[0] == outs[1]
+    _assert_greedy_equals_plain(target, drafter, ([1, 2, 3], [4, 4, 1, 0, 2]))
 
 
 def test_export_cli_errors_are_one_line(tmp_path, capsys):
