@@ -374,20 +374,29 @@ def test_two_processes_under_torchrun_take_the_steps_of_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     subprocess.run([sys.executable, script, str(tmp_path / "one")], check=True, env=env, timeout=300)
     import socket
-    with socket.socket() as sock:                 # a free port for the rendezvous (0 hangs torchrun)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                "127.0.0.1", "--master_port", str(port)]
-    subprocess.run(torchrun + [script, str(tmp_path / "two")], check=True, env=env, timeout=300,
-                   capture_output=True)
+    errors = []
+    for attempt in range(3):
+        # a free port for the rendezvous (0 hangs torchrun); another test's server can take it between
+        # this probe and torchrun's bind, so a failed launch is retried on a new port in a fresh folder
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                    "127.0.0.1", "--master_port", str(port)]
+        two_dir = tmp_path / f"two-{attempt}"
+        done = subprocess.run(torchrun + [script, str(two_dir)], env=env, timeout=300, capture_output=True, text=True)
+        if done.returncode == 0:
+            break
+        errors.append(done.stderr[-3000:])
+    else:
+        pytest.fail("torchrun failed 3 times; the last stderr:\n" + errors[-1])
     one = load_file(str(tmp_path / "one" / "drafter" / "checkpoint" / "model.safetensors"))
-    two = load_file(str(tmp_path / "two" / "drafter" / "checkpoint" / "model.safetensors"))
+    two = load_file(str(two_dir / "drafter" / "checkpoint" / "model.safetensors"))
     assert one.keys() == two.keys()
     for k in one:
         assert torch.allclose(one[k], two[k], rtol=1e-3, atol=1e-5), k
     hist_one = json.loads((tmp_path / "one" / "drafter" / "train_log.json").read_text())["history"]
-    hist_two = json.loads((tmp_path / "two" / "drafter" / "train_log.json").read_text())["history"]
+    hist_two = json.loads((two_dir / "drafter" / "train_log.json").read_text())["history"]
     assert [h["step"] for h in hist_one] == [h["step"] for h in hist_two]
     assert [h["anchors_seen"] for h in hist_one] == [h["anchors_seen"] for h in hist_two]
     for a, b in zip(hist_one, hist_two):
