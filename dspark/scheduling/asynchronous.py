@@ -29,6 +29,9 @@ class AsyncPolicy(LoadAwarePolicy[LoadAwareState]):
         return LoadAwareState()
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
+        unpriced = self._unpriced(requests)
+        if unpriced is not None:
+            return unpriced
         cap = self._refresh(requests, block_size)
         stale = self.history[0] if len(self.history) == self.history.maxlen else {}
         held = any(stale.get(r.id) for r in requests)   # the search reads these survivals too

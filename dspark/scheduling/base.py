@@ -46,6 +46,11 @@ class StepOutcome:
                                            # its time is the price of a decoding step
     ended: tuple[int, ...] = ()            # ids of the requests that ended in it or since the last
                                            # step (finished, cancelled, failed)
+    # the step's parts as the engine timed them (0 where it did not): the target's forward and the
+    # rows it ran (prefilled tokens and decoding blocks), and the drafter's call
+    forward_rows: int = 0
+    forward_seconds: float = 0.0
+    draft_seconds: float = 0.0
 
 
 S = TypeVar("S")

@@ -198,11 +198,13 @@ class CostTable:
         return t
 
     @classmethod
-    def find(cls, key: str) -> CostTable | None:
+    def find(cls, key: str, warn: bool = True) -> CostTable | None:
+        """The table `dspark profile` measured for ``key``, or None (said where ``warn``)."""
         path = table_path(key)
         if not path.is_file():
-            log.warning("no cost table for %s: run `dspark profile` (policies that weigh cost fall "
-                        "back to fixed blocks)", key)
+            if warn:
+                log.warning("no cost table for %s: run `dspark profile`, or use the auto policy (it learns "
+                            "the costs while it serves)", key)
             return None
         try:
             return cls.load(path)

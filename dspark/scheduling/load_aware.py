@@ -8,6 +8,7 @@ Drafters without a confidence head get a survival profile from the acceptance th
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -17,6 +18,8 @@ import numpy as np
 from .base import Policy, RequestOutcome, RequestStates, StepOutcome
 from .costs import CostModel
 from .profile import AcceptanceProfile, RecentSurvivals
+
+log = logging.getLogger("dspark")
 
 
 @dataclass
@@ -85,9 +88,34 @@ class LoadAwarePolicy(Policy, Generic[St]):
         self._no_key: tuple[int, int, float, int] | None = None
         self._key: tuple[int, int, float, int] = (0, 0, 0.0, 0)
         self._probe_m = [0.0, 0.0]
+        self._warned = False
 
     def _new_state(self) -> St:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ what others tell it
+    def reprice(self, cost_table) -> None:
+        """Price steps from now on with ``cost_table`` (the auto policy's, learned as it serves); what
+        the cost model corrected online (pace, drafting's ratio) carries over."""
+        self.cost.table = cost_table
+        self._no_key = None
+
+    def decided_elsewhere(self, requests, lengths: list[int]) -> None:
+        """A step whose lengths another policy chose (the auto policy measuring a step's parts): the
+        profile counts them as tries, as if this policy had chosen them."""
+        self._refresh(requests, self.block or max(lengths, default=1))
+        self._record(requests, lengths)
+
+    def _unpriced(self, requests) -> list[int] | None:
+        """Without a cost table, nothing can say whether drafting pays: plain decoding (never the
+        whole block on trust), said once. None when there is a table."""
+        if self.cost.table is not None:
+            return None
+        if not self._warned:
+            self._warned = True
+            log.warning("%s policy without a cost table decodes plainly: run `dspark profile`, or use "
+                        "--policy auto (learns the costs while it serves)", self.name)
+        return [0] * len(requests)
 
     # ------------------------------------------------------------------ what the engine tells it
     def observe(self, outcome: StepOutcome) -> None:

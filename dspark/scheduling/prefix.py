@@ -64,6 +64,10 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
     def _new_state(self) -> PrefixState:
         return PrefixState()
 
+    def reprice(self, cost_table) -> None:
+        super().reprice(cost_table)
+        self._held = None       # a depth searched on the old prices
+
     def _account(self, st: PrefixState, o: RequestOutcome) -> None:
         super()._account(st, o)
         if st.free_pending:
@@ -72,6 +76,9 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
 
     # ------------------------------------------------------------------ draft lengths
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
+        unpriced = self._unpriced(requests)
+        if unpriced is not None:
+            return unpriced
         cap = self._refresh(requests, block_size)
         free = list(free) if free is not None else [0] * len(requests)
         depth = 0 if self._unchanged_since_no(requests) else self._depth(requests, cap)

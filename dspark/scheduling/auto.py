@@ -1,0 +1,128 @@
+"""The auto policy: a load-aware policy (prefix by default) priced by step costs it learns from the
+engine's own steps, so that scheduling needs no set-up.
+
+Where `dspark profile` has measured a full cost table, serving uses it as it is (``serving_policy``).
+Otherwise the costs come from ``LearnedCosts``: loaded from the cache when an earlier run on this
+machine learned them, else learned now. While the costs miss a step shape the policy is about to
+need (the forward over R x (1 + d) rows, the drafter's call d deep for R requests), the policy runs
+that shape itself, every request drafting and verifying d tokens: a measurement that is also a
+regular, lossless decoding step, so it costs only what that step yields below the best one (a few
+steps per number of requests, at most ``explore_steps``). Every step, measured or chosen, refines
+the costs; the table the inner policy prices with is rebuilt from them after each measuring step and every
+``reprice_every`` steps, and saved every ``save_every``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from .base import Policy, StepOutcome
+from .costs import CostTable, table_key_for, table_path
+from .learned import LearnedCosts, bucket, learned_path, machine_id
+from .load_aware import LoadAwarePolicy
+
+log = logging.getLogger("dspark")
+
+
+class AutoPolicy(Policy):
+    name = "auto"
+
+    def __init__(self, inner: LoadAwarePolicy, costs: LearnedCosts, max_requests: int,
+                 explore_steps: int = 12, reprice_every: int = 32, save_every: int = 256):
+        self.inner = inner
+        self.costs = costs
+        self.max_requests = max_requests
+        self.explore_steps = explore_steps
+        self.reprice_every = reprice_every
+        self.save_every = save_every
+        self.uses_free_drafts = inner.uses_free_drafts
+        self.measuring: int | None = None      # the depth this step runs to measure it, or None
+        self._explored: dict[int, int] = {}    # requests bucket -> measuring steps run there
+        self._since_price = 0
+        self._since_save = 0
+        inner.reprice(costs.table(max_requests))
+
+    def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None) -> list[int]:
+        self.measuring = self._shape_to_measure(len(requests))
+        if self.measuring is None:
+            return self.inner.draft_lengths(requests, block_size, free)
+        return [self.measuring] * len(requests)
+
+    def verify_lengths(self, requests, proposals) -> list[int]:
+        if self.measuring is None:
+            return self.inner.verify_lengths(requests, proposals)
+        lengths = [len(p) for p in proposals]
+        self.inner.decided_elsewhere(requests, lengths)
+        return lengths
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self.costs.observe(outcome)
+        self.inner.observe(outcome)
+        self._since_price += 1
+        self._since_save += 1
+        if self._since_price >= self.reprice_every or self.measuring is not None:
+            self._since_price = 0
+            self.inner.reprice(self.costs.table(self.max_requests))
+        if self._since_save >= self.save_every:
+            self._since_save = 0
+            self.costs.save()
+        self.measuring = None
+
+    def _shape_to_measure(self, requests: int) -> int | None:
+        """The depth to run this step to measure it (None: the costs know every shape at this load,
+        or its measuring steps are spent)."""
+        if not requests:
+            return None
+        b = bucket(requests)
+        ran = self._explored.get(b, 0)
+        if ran >= self.explore_steps:
+            return None
+        depth = self.costs.missing(requests)
+        if depth is None:
+            return None
+        if ran == 0:
+            log.info("auto policy: measuring the step costs at %d request(s)", requests)
+        self._explored[b] = ran + 1
+        return depth
+
+    def close(self) -> None:
+        """Keep what was learned for the next run (also saved every ``save_every`` steps)."""
+        self.costs.save()
+
+
+def learned_costs(target, drafter) -> LearnedCosts:
+    """The step costs learned for this target, drafter, dtype, device, CPU and thread count (from
+    the cache where an earlier run left them)."""
+    key = f"{table_key_for(target, drafter)}|{machine_id()}"
+    return LearnedCosts.load_or_new(key, drafter.block_size, learned_path(key))
+
+
+def serving_policy(name: str, target, drafter, max_requests: int) -> tuple[Policy, CostTable | None]:
+    """(the policy, the full cost table it prices with or None) for --policy ``name``. "auto" is the
+    prefix policy. A policy that weighs costs (auto, prefix, async) prices with `dspark profile`'s
+    table where one was measured for this target and drafter, else with the costs it learns while
+    serving (``AutoPolicy``); one line says which."""
+    from .policies import make_policy
+    if drafter.name == "plain":
+        return make_policy("plain"), None
+    inner_name = "prefix" if name == "auto" else name
+    if inner_name not in ("prefix", "async"):
+        return make_policy(inner_name, drafter.block_size), None
+    table = CostTable.find(table_key_for(target, drafter), warn=False)
+    if table is not None:
+        log.info("%s policy: %s on the cost table `dspark profile` measured (%s)", name, inner_name,
+                 table_path(table.key))
+        return make_policy(inner_name, drafter.block_size, cost_table=table), table
+    costs = learned_costs(target, drafter)
+    inner = make_policy(inner_name, drafter.block_size)
+    assert isinstance(inner, LoadAwarePolicy)
+    if costs.forward:
+        log.info("%s policy: %s on step costs learned on this machine before (%s); refined as it serves",
+                 name, inner_name, costs.path)
+    else:
+        log.info("%s policy: %s; no step costs for this machine yet: it measures them from its first "
+                 "steps (a few per load) and keeps them in %s", name, inner_name, costs.path)
+    policy = AutoPolicy(inner, costs, max_requests)
+    policy.name = name
+    return policy, None

@@ -1,0 +1,219 @@
+"""Step costs learned from the steps the engine runs: what `dspark profile` measures, without the
+profile.
+
+An engine step costs the target's forward over its rows (every prefilled token, and each decoding
+request's anchor plus the drafts it verifies), the drafter's call (over the requests that drafted
+with a forward, so deep), and the rest (verification, sampling, the engine's own work, growing with
+the requests). The engine times the forward and the drafter's call of every step; ``LearnedCosts``
+keeps recent samples of each part in buckets (rows, requests and depth on a log scale), and prices
+any step from them by interpolation. Each part is learned from every step, prefilling ones included:
+the forward's cost depends on its rows alone, whichever request they serve, so a server whose steps
+always admit someone (many short requests) learns as well as one that only decodes.
+
+``table`` turns the learned parts into the ``CostTable`` the load-aware policies price with, and the
+samples persist per machine / target / drafter / dtype / threads, so a second run starts priced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from .base import StepOutcome
+from .costs import CostTable, isotonic, table_path
+
+log = logging.getLogger("dspark")
+
+SAMPLES = 8          # recent samples kept per bucket (their lower median is its price)
+STEPS_PER_BUCKET = 4 # buckets per doubling (~19 % apart)
+
+
+def machine_id() -> str:
+    """What a step's price depends on beyond the models: the CPU model and the threads torch runs."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}|{torch.get_num_threads()} threads"
+
+
+def bucket(x: float) -> int:
+    return round(STEPS_PER_BUCKET * math.log2(max(x, 1.0)))
+
+
+def centre(b: int) -> float:
+    return 2.0 ** (b / STEPS_PER_BUCKET)
+
+
+def lower_median(samples) -> float:
+    """A bucket's price: the lower median of its samples (a step only ever runs slower than its
+    work, when the machine is busy, so the lower half is the better estimate)."""
+    s = sorted(samples)
+    return s[(len(s) - 1) // 2]
+
+
+class Curve:
+    """Seconds as a non-decreasing function of one size (rows, requests), learned from samples
+    kept in log-spaced buckets; between buckets linear in log size, clamped beyond the ends."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, deque] = {}
+        self._fit: tuple[list[float], list[float]] | None = None
+
+    def add(self, x: float, seconds: float) -> None:
+        self.buckets.setdefault(bucket(x), deque(maxlen=SAMPLES)).append(float(seconds))
+        self._fit = None
+
+    def count(self, x: float) -> int:
+        """Samples at about ``x``: in its bucket or the next one either side (within ~19 %), close
+        enough for the interpolation to price it."""
+        b = bucket(x)
+        return sum(len(self.buckets.get(k, ())) for k in (b - 1, b, b + 1))
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets)
+
+    def __call__(self, x: float) -> float:
+        if self._fit is None:
+            keys = sorted(self.buckets)
+            self._fit = ([math.log2(centre(b)) for b in keys],
+                         isotonic([lower_median(self.buckets[b]) for b in keys]))
+        xs, ys = self._fit
+        if not xs:
+            return 0.0
+        lx = math.log2(max(x, 1.0))
+        if lx <= xs[0]:
+            return ys[0]
+        if lx >= xs[-1]:
+            return ys[-1]
+        i = next(i for i in range(1, len(xs)) if xs[i] >= lx)
+        f = (lx - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+
+    def to_json(self) -> dict:
+        return {str(b): list(s) for b, s in self.buckets.items()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Curve:
+        c = cls()
+        for b, s in d.items():
+            c.buckets[int(b)] = deque((float(v) for v in s), maxlen=SAMPLES)
+        return c
+
+
+class LearnedCosts:
+    """The three parts of a step's cost, learned from the steps observed (see the module doc)."""
+
+    def __init__(self, key: str, block: int, path: Path | None = None):
+        self.key = key
+        self.block = block
+        self.path = path
+        self.forward = Curve()                  # seconds of the target's forward, by rows
+        self.rest = Curve()                     # the step less forward and drafter, by requests
+        self.draft: dict[int, Curve] = {}       # depth -> seconds of the drafter's call, by requests drafting
+        self.observed = 0                       # steps learned from, since made or loaded
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, o: StepOutcome) -> None:
+        """Learn from one step the engine timed (``forward_rows`` > 0)."""
+        if o.forward_rows <= 0:
+            return
+        self.forward.add(o.forward_rows, o.forward_seconds)
+        R = len(o.requests)
+        if R:
+            self.rest.add(R, max(0.0, o.seconds - o.forward_seconds - o.draft_seconds))
+        calls = [r.drafted for r in o.requests if r.drafted and not r.free and not r.forced]
+        if calls and o.draft_seconds > 0:
+            depth = round(sum(calls) / len(calls))
+            self.draft.setdefault(depth, Curve()).add(len(calls), o.draft_seconds)
+        self.observed += 1
+
+    def depths(self) -> list[int]:
+        """The depths the cost table has columns for: plain, one token, the middle, the block."""
+        return sorted({0, 1, max(1, (self.block + 1) // 2), self.block})
+
+    def missing(self, requests: int) -> int | None:
+        """A depth whose step at ``requests`` decoding requests the costs have not seen enough of
+        (the forward over its rows, the drafter's call so deep), or None when all are known."""
+        for d in self.depths():
+            if self.forward.count(requests * (1 + d)) < 2:
+                return d
+            if d and (d not in self.draft or self.draft[d].count(requests) < 2):
+                return d
+        return None
+
+    def drafter_seconds(self, requests: int, depth: int) -> float:
+        """The drafter's call for ``requests`` requests ``depth`` deep: measured at that depth, or
+        linear between the nearest depths measured (clamped beyond them)."""
+        if depth <= 0 or not self.draft:
+            return 0.0
+        known = sorted(d for d, c in self.draft.items() if c)
+        lo = max((d for d in known if d <= depth), default=known[0])
+        hi = min((d for d in known if d >= depth), default=known[-1])
+        a, b = self.draft[lo](requests), self.draft[hi](requests)
+        return a if hi == lo else a + (depth - lo) / (hi - lo) * (b - a)
+
+    def table(self, max_requests: int) -> CostTable | None:
+        """The cost table priced from what was learned (None before the first timed step): steps of
+        1, 2, 4, ... requests up to ``max_requests``, every request verifying 0, 1, ... tokens."""
+        if not self.forward:
+            return None
+        requests = sorted({2 ** i for i in range(max(1, max_requests).bit_length())} | {max(1, max_requests)})
+        verified = list(range(self.block + 1))
+        seconds, draft = [], []
+        for R in requests:
+            d_row = [self.drafter_seconds(R, v) for v in verified]
+            seconds.append([self.forward(R * (1 + v)) + self.rest(R) + dv for v, dv in zip(verified, d_row)])
+            draft.append(d_row)
+        return CostTable(self.key, requests, verified, [1], [seconds], machine=machine_id(), draft=[draft])
+
+    # ------------------------------------------------------------------ persistence
+    def to_json(self) -> dict:
+        return {"key": self.key, "block": self.block, "forward": self.forward.to_json(),
+                "rest": self.rest.to_json(), "draft": {str(d): c.to_json() for d, c in self.draft.items()}}
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.to_json()))
+            os.replace(tmp, self.path)
+        except OSError as e:            # a read-only cache costs the next run its learning, not this one
+            log.warning("cannot save learned step costs to %s: %s", self.path, e)
+
+    @classmethod
+    def load_or_new(cls, key: str, block: int, path: Path | None) -> LearnedCosts:
+        """The costs learned by an earlier run under ``key``, or empty ones; a file that cannot be
+        read (corrupted, or from another block size) is set aside and learning starts afresh."""
+        costs = cls(key, block, path)
+        if path is None or not path.is_file():
+            return costs
+        try:
+            d = json.loads(path.read_text())
+            if d.get("key") != key or int(d.get("block", -1)) != block:
+                raise ValueError("made for another drafter or block size")
+            costs.forward = Curve.from_json(d["forward"])
+            costs.rest = Curve.from_json(d["rest"])
+            costs.draft = {int(k): Curve.from_json(v) for k, v in d["draft"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("ignoring learned step costs in %s (%s): learning them again", path, e)
+            return cls(key, block, path)
+        return costs
+
+
+def learned_path(key: str) -> Path:
+    """Where the costs learned for a key live: beside `dspark profile`'s table for it."""
+    return table_path(key).with_suffix(".learned.json")

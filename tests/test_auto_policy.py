@@ -1,0 +1,154 @@
+"""The auto policy and the step costs it learns (scheduling/auto.py, scheduling/learned.py): costs
+learned from timed steps price steps as the machine ran them; the policy measures the shapes it
+lacks with regular decoding steps (a few per load, then never again), hands over to the prefix
+policy, keeps the target's distribution, and a second run starts priced from the cache."""
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark.drafters.base import Proposal
+from dspark.scheduling.auto import AutoPolicy
+from dspark.scheduling.base import RequestOutcome, StepOutcome
+from dspark.scheduling.learned import LearnedCosts
+from dspark.scheduling.policies import make_policy
+
+BLOCK = 3
+
+
+def forward_s(rows):                 # a forward costs a fixed part (the weights) plus each row
+    return 0.010 + 0.0004 * rows
+
+
+def draft_s(requests, depth):        # the drafter: a call, plus each request's rows
+    return 0.002 + 0.0003 * requests * depth
+
+
+def rest_s(requests):
+    return 0.0005 * requests
+
+
+def timed(lengths, prefill=0, free=()):
+    """A step's outcome as the engine times it: each request drafting and verifying ``lengths[i]``
+    (a lookup's free block where i is in ``free``), ``prefill`` prompt tokens beside them."""
+    rows = prefill + sum(1 + n for n in lengths)
+    calls = [n for i, n in enumerate(lengths) if n and i not in free]
+    draft = draft_s(len(calls), sum(calls) / len(calls)) if calls else 0.0
+    fwd = forward_s(rows)
+    outs = tuple(RequestOutcome(i, n, n, 0, free=i in free) for i, n in enumerate(lengths))
+    return StepOutcome(outs, fwd + draft + rest_s(len(lengths)), decode_only=not prefill,
+                       forward_rows=rows, forward_seconds=fwd, draft_seconds=draft)
+
+
+def requests(n):
+    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 8, features=[])) for i in range(n)]
+
+
+def test_learned_costs_price_steps_as_they_ran(tmp_path):
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for R in (1, 4, 16):
+        for d in costs.depths():
+            for _ in range(3):
+                costs.observe(timed([d] * R))
+        assert costs.missing(R) is None
+    for _ in range(3):
+        costs.observe(timed([0, 0], prefill=100))      # a prefilling step teaches the forward too
+    table = costs.table(16)
+    for R in (1, 4, 16):
+        for v in range(BLOCK + 1):
+            want = forward_s(R * (1 + v)) + rest_s(R) + (draft_s(R, v) if v else 0.0)
+            assert table.step_seconds(R, v, 64) == pytest.approx(want, rel=0.12)
+            assert table.drafter_seconds(R, v, 64) == pytest.approx(draft_s(R, v) if v else 0.0, rel=0.12)
+    assert costs.missing(64) is not None                # a load it never ran
+
+
+def test_learned_costs_persist_and_a_bad_file_starts_afresh(tmp_path, caplog):
+    path = tmp_path / "c.json"
+    costs = LearnedCosts("k", BLOCK, path)
+    for d in costs.depths():
+        for _ in range(2):
+            costs.observe(timed([d] * 4))
+    costs.save()
+    again = LearnedCosts.load_or_new("k", BLOCK, path)
+    assert again.missing(4) is None
+    assert again.table(4).step_seconds(4, 2, 8) == costs.table(4).step_seconds(4, 2, 8)
+    assert LearnedCosts.load_or_new("other", BLOCK, path).missing(4) is not None     # another key
+    assert LearnedCosts.load_or_new("k", BLOCK + 1, path).missing(4) is not None     # another block
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="dspark"):
+        fresh = LearnedCosts.load_or_new("k", BLOCK, path)
+    assert not fresh.forward and "learning them again" in caplog.text
+    path.write_text(json.dumps({"key": "k", "block": BLOCK, "forward": {"x": [1]}, "rest": {}, "draft": {}}))
+    assert not LearnedCosts.load_or_new("k", BLOCK, path).forward
+
+
+def drive(policy, n_requests, steps, accept=lambda p: 0):
+    """Run ``steps`` steps of ``n_requests`` decoding requests through the policy, timed by the
+    synthetic costs; returns the depths each step drafted."""
+    reqs = requests(n_requests)
+    plans = []
+    for _ in range(steps):
+        want = policy.draft_lengths(reqs, BLOCK, [0] * n_requests)
+        props = [Proposal(torch.ones(w, dtype=torch.long), None, torch.full((w,), 0.9)) if w else Proposal.empty()
+                 for w in want]
+        lengths = policy.verify_lengths(reqs, props)
+        plans.append(list(lengths))
+        out = timed(lengths)
+        out = StepOutcome(tuple(RequestOutcome(o.request_id, o.drafted, o.verified, min(o.verified, accept(o)))
+                                for o in out.requests), out.seconds, True, (), out.forward_rows,
+                          out.forward_seconds, out.draft_seconds)
+        policy.observe(out)
+    return plans
+
+
+def test_auto_measures_the_shapes_it_lacks_then_hands_over(tmp_path):
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
+    plans = drive(policy, 4, 40, accept=lambda o: o.verified)    # every draft accepted: drafting pays
+    # each shape run twice, every request alike, in the first steps: the forward over 4 x (1 + d) rows
+    # and the drafter's call d deep
+    assert sorted(p[0] for p in plans[:8]) == sorted(costs.depths() * 2)
+    assert all(len(set(p)) == 1 for p in plans[:8])
+    assert costs.missing(4) is None and policy._explored == {8: 8}
+    assert policy.measuring is None and policy.inner.cost.table is not None
+    assert max(map(max, plans[-10:])) > 0                       # the prefix policy drafts: it pays
+    # no more measuring at this load, nor at one so close that the costs price it (5 requests)
+    drive(policy, 4, 5)
+    drive(policy, 5, 5)
+    assert policy._explored == {8: 8}
+    drive(policy, 8, 12)                            # twice the load: measured in turn
+    assert policy._explored[12] > 0 and costs.missing(8) is None
+
+
+def test_auto_measuring_is_bounded_when_a_shape_never_comes(tmp_path):
+    # a hybrid whose lookups serve every request: the drafter never runs, its call is never timed
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=4, explore_steps=6)
+    reqs = requests(2)
+    for _ in range(20):
+        want = policy.draft_lengths(reqs, BLOCK, [0, 0])
+        props = [Proposal(torch.ones(w, dtype=torch.long), None, None, free=True) if w else Proposal.empty()
+                 for w in want]
+        policy.observe(timed(policy.verify_lengths(reqs, props), free=(0, 1)))
+    assert sum(policy._explored.values()) == 6
+
+
+def test_auto_starts_priced_from_what_an_earlier_run_learned(tmp_path):
+    path = tmp_path / "c.json"
+    first = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK, path), max_requests=4)
+    drive(first, 2, 20)
+    first.close()
+    second = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts.load_or_new("k", BLOCK, path), max_requests=4)
+    assert second.inner.cost.table is not None
+    drive(second, 2, 3)
+    assert not second._explored                      # nothing measured again
+
+
+def test_prefix_without_a_cost_table_decodes_plainly(caplog):
+    policy = make_policy("prefix", BLOCK)
+    with caplog.at_level(logging.WARNING, logger="dspark"):
+        plans = drive(policy, 2, 4, accept=lambda o: o.verified)
+    assert plans == [[0, 0]] * 4 and caplog.text.count("decodes plainly") == 1
