@@ -30,8 +30,9 @@ from torch import nn
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
 from ..runtime.linear import Weight, linear, pack, serve_fast
-from ..runtime.attention import SlotBatch, attention
-from ..runtime.model import LayerWeights, RopeTable, rms_norm
+from ..runtime.attention import SlotBatch, attend
+from ..runtime.layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
+from ..runtime.model import RopeTable
 from ..sampling import probs_from_logits, sample_rows, uniforms
 from .backbone import Backbone, DrafterLayer
 from .base import DraftContext, Drafter, Proposal
@@ -240,8 +241,6 @@ class DSparkDrafter(Drafter):
         block rows share each layer's one q/k/v product; block keys / values are written past the
         context length in the cache and overwritten by the next round's context."""
         c = self.config
-        H, Hkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        qs, ks = H * hd, Hkv * hd
         slots = [self._slot(ctx) for ctx in contexts]     # allocates the cache on first use
         cache = self.cache
         feats, starts, new = [], [], []
@@ -273,57 +272,46 @@ class DSparkDrafter(Drafter):
             rows_pos += range(end, end + g)
         slot_idx = torch.tensor(rows_slot, device=dev)
         pos = torch.tensor(rows_pos, device=dev)
-        cos, sin = self._rope.tables(pos, int(pos.max()))
+        rope = self._rope.tables(pos, int(pos.max()))
         ctx_rows = None
         if nc:
             f = feats[0] if len(feats) == 1 else torch.cat(feats)
-            ctx_rows = rms_norm(linear(f.to(self._dtype), self._fc), bb.fc_norm.weight, eps)
+            ctx_rows = rms_norm(linear(f.to(self._dtype), self._fc), bb.fc_norm.weight, c.rms_norm_eps)
         x = None
         if R:
             m = self.model
             x = m.mask_embedding.expand(R, g, -1).clone()
             x[:, 0] = m.embed_tokens(torch.tensor([ctx.tokens[-1] for ctx in active], device=dev)).to(x.dtype)
             x = x.reshape(R * g, -1)
-        scale = hd ** -0.5
-        batch = None
-        if R > 1:       # the blocks' attention in one product over their slots (runtime/attention.py)
-            batch = SlotBatch.of([(ctx.state["slot"], g) for ctx in active], [len(ctx.tokens) - 1 for ctx in active],
-                                 [i * g for i in range(R)], dev, causal=False)
+        shape = LayerShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                           c.head_dim ** -0.5)
+        attend_fn = self._block_attention(active, g)
         for li, lw in enumerate(self._layers):
-            h = rms_norm(x, lw.input_norm, eps) if x is not None else None     # x is set iff R
-            inp = h if ctx_rows is None else ctx_rows if h is None else torch.cat([ctx_rows, h])
-            assert inp is not None          # nc or R is nonzero (checked above)
-            qkv = linear(inp, lw.qkv).contiguous()
-            qk = qkv[:, :qs + ks].view(-1, H + Hkv, hd)
-            if lw.q_norm is not None:
-                assert lw.k_norm is not None        # a drafter layer has both or neither (qk_norm)
-                qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, eps), rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
-            qk = qk * cos + qk.roll(hd // 2, -1) * sin
-            kc, vc = cache.k[li], cache.v[li]
-            kc[slot_idx, :, pos] = qk[:, H:].to(kc.dtype)
-            vc[slot_idx, :, pos] = qkv[:, qs + ks:].view(-1, Hkv, hd).to(vc.dtype)
-            if not R:
-                continue
-            assert x is not None            # set above whenever R
-            q = qk[nc:, :H]
-            if batch is not None:
-                a = torch.empty(R * g, H * hd, dtype=kc.dtype, device=dev)
-                batch.attend(q.to(kc.dtype) * scale, kc, vc, None, a)
-                a = a.to(x.dtype)
-            else:
-                outs = []
-                for i, ctx in enumerate(active):
-                    end = len(ctx.tokens) - 1 + g
-                    s = ctx.state["slot"]
-                    outs.append(attention(q[i * g:(i + 1) * g], kc[s, :, :end], vc[s, :, :end], None, scale))
-                a = outs[0] if R == 1 else torch.cat(outs)
-            x = x + linear(a, lw.o)
-            h = rms_norm(x, lw.post_attn_norm, eps)
-            gate, up = linear(h, lw.gate_up).chunk(2, -1)
-            x = x + linear(F.silu(gate) * up, lw.down)
+            x = decoder_layer(lw, x, shape, rope, (cache.k[li], cache.v[li], slot_idx, pos), attend_fn,
+                              context=ctx_rows)
         for slot, n in zip(slots, new):
             cache.lengths[slot] += n
-        return rms_norm(x, bb.norm.weight, eps).view(R, g, -1) if x is not None else None   # x is set iff R
+        return rms_norm(x, bb.norm.weight, c.rms_norm_eps).view(R, g, -1) if x is not None else None  # x set iff R
+
+    def _block_attention(self, active: list[DraftContext], g: int) -> Attend:
+        """Each active request's block of g rows attends to its whole slot up to the block's end
+        (context and block, non-causal): R > 1 blocks in one product over their slots
+        (runtime/attention.py), else block by block."""
+        ends = [len(ctx.tokens) - 1 for ctx in active]        # each anchor's position
+        slots = [ctx.state["slot"] for ctx in active]
+        batch = None
+        if len(active) > 1:
+            batch = SlotBatch.of([(s, g) for s in slots], ends, [i * g for i in range(len(active))], self.device,
+                                 causal=False)
+
+        def attend_blocks(qs, kc, vc, window, out):
+            if batch is not None:
+                batch.attend(qs, kc, vc, None, out)
+                return
+            for i, (s, end) in enumerate(zip(slots, ends)):
+                rows = slice(i * g, (i + 1) * g)
+                attend(qs[rows], kc[s, :, :end + g], vc[s, :, :end + g], None, out[rows])
+        return attend_blocks
 
     @torch.inference_mode()
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:

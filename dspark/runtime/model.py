@@ -6,6 +6,8 @@ layer runs once over all N rows (the new keys / values go into the cache in one 
 attention (runtime/attention.py) runs the short segments of decoding and verification as one
 batched product over their cache slots, and each prefill chunk against its own slot. The forward
 appends the new keys/values to the cache; rolling back rejected tokens is ``cache.truncate``.
+The layer itself (runtime/layer.py) is shared with the trained drafters' serving backbone; what
+is the target's own here is which rows attend to what (``_attention``).
 
 Weights come from a loaded transformers model (``Decoder.from_hf``): transformers stays the
 loader and the reference our logits are tested against; this module is the fast path.
@@ -22,33 +24,8 @@ from .config import DecoderConfig
 from .attention import SlotBatch, attend
 from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
+from .layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
 from .linear import Weight, linear, pack
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: Weight                   # Weight: a plain tensor or packed for runtime/linear.py
-    qkv_bias: torch.Tensor | None
-    o: Weight
-    o_bias: torch.Tensor | None
-    post_attn_norm: torch.Tensor
-    gate_up: Weight
-    down: Weight
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    pre_ff_norm: torch.Tensor | None = None   # Gemma 3 sandwich norms
-    post_ff_norm: torch.Tensor | None = None
-    rope: str = "default"                     # which RoPE table this layer uses
-    window: int | None = None                 # sliding-window length, None = full attention
-
-    def packed(self) -> LayerWeights:
-        """The same layer with its four products' weights packed (runtime/linear.py)."""
-        from dataclasses import replace
-        new = {name: pack(getattr(self, name)) for name in ("qkv", "o", "gate_up", "down")}
-        if all(w is getattr(self, name) for name, w in new.items()):
-            return self
-        return replace(self, **new)
 
 
 @dataclass
@@ -83,10 +60,6 @@ class RopeTable:
         if max_pos >= self.cos.shape[0]:
             self._grow(max(2 * self.cos.shape[0], max_pos + 1))
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 class Decoder:
@@ -213,101 +186,77 @@ class Decoder:
         """
         cfg = self.config
         input_ids = input_ids.to(self.device)
-        n_total = input_ids.shape[0]
-        if sum(n for _, n in segments) != n_total:
+        if sum(n for _, n in segments) != input_ids.shape[0]:
             raise ValueError("segments do not cover input_ids")
         starts = []
-        pos_parts = []
         for slot, n in segments:
             cache.check_room(slot, n)
-            start = cache.lengths[slot]
-            starts.append(start)
-            pos_parts.append(torch.arange(start, start + n, device=self.device))
+            starts.append(cache.lengths[slot])
+        pos_parts = [torch.arange(start, start + n, device=self.device) for (_, n), start in zip(segments, starts)]
         positions = pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)
         max_pos = max(s + n for s, (_, n) in zip(starts, segments))
         rope_tables = {name: r.tables(positions, max_pos) for name, r in self.ropes.items()}
-        masks = self._masks(segments, starts)
-
-        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.q_size, cfg.kv_size
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
-        dec = DecodeRows.of(segments, H, Hkv, hd, self.kv_dtype, self.device) if self.batch_invariant else None
-        row_starts = [0]
-        for _, n in segments[:-1]:
-            row_starts.append(row_starts[-1] + n)
-        batch = None if self.batch_invariant else SlotBatch.of(segments, starts, row_starts, self.device)
-        # the segments that attend on their own: prefill chunks, or all of them without a batch
-        alone = [(slot, n, start, row, mask_for) for i, ((slot, n), start, row, mask_for)
-                 in enumerate(zip(segments, starts, row_starts, masks)) if batch is None or i not in batch.members]
-        alike = self.batch_invariant
-        eps = cfg.rms_norm_eps
-        scale = cfg.attn_scale if cfg.attn_scale is not None else hd ** -0.5
+        attend_fn = self._attention(segments, starts)
+        shape = LayerShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                           cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5,
+                           cfg.activation)
         x = F.embedding(input_ids, self.embed)
         if self._embed_scale is not None:
             x = x * self._embed_scale
         wanted = set(feature_layers)
         feats = {}
         for li, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.input_norm, eps)
-            qkv = linear(h, lw.qkv, lw.qkv_bias, alike).contiguous()
-            qk = qkv[:, :q_size + kv_size].view(n_total, H + Hkv, hd)
-            v = qkv[:, q_size + kv_size:].view(n_total, Hkv, hd)
-            if lw.q_norm is not None:
-                assert lw.k_norm is not None   # both set, or neither (the config's qk_norm)
-                qk = torch.cat([rms_norm(qk[:, :H], lw.q_norm, eps), rms_norm(qk[:, H:], lw.k_norm, eps)], 1)
-            cos, sin = rope_tables[lw.rope]
-            qk = qk * cos + qk.roll(hd // 2, -1) * sin   # RoPE on queries and keys at once
-            q, k = qk[:, :H], qk[:, H:]
-            kc, vc = cache.k[li], cache.v[li]
-            kc[wslot, :, positions] = k.to(kc.dtype)      # every row's key / value into its slot at once
-            vc[wslot, :, positions] = v.to(vc.dtype)
-            # attention per segment against its own slot (no padding), from one scaled copy of
-            # all queries into one output buffer
-            qs = q.to(kc.dtype) * scale
-            attn = torch.empty(n_total, H * hd, dtype=kc.dtype, device=self.device)
-            if self.batch_invariant:
-                attend_all(qs, kc, vc, segments, starts, masks, lw.window, attn, dec)
-            else:
-                if batch is not None:
-                    batch.attend(qs, kc, vc, lw.window, attn)
-                for slot, n, start, row, mask_for in alone:
-                    end = start + n
-                    attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(lw.window),
-                           attn[row:row + n])
-            attn = attn.to(x.dtype)
-            attn = linear(attn, lw.o, lw.o_bias, alike)
-            if lw.post_ff_norm is not None:  # Gemma 3 sandwich
-                assert lw.pre_ff_norm is not None   # both set, or neither (the config's sandwich_norm)
-                x = x + rms_norm(attn, lw.post_attn_norm, eps)
-                h = rms_norm(x, lw.pre_ff_norm, eps)
-            else:
-                x = x + attn
-                h = rms_norm(x, lw.post_attn_norm, eps)
-            gu = linear(h, lw.gate_up, rows_alike=alike)
-            g, u = gu.chunk(2, dim=-1)
-            if cfg.activation == "silu":
-                g = F.silu(g)
-            else:
-                g = F.gelu(g, approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
-            m = linear(g * u, lw.down, rows_alike=alike)
-            if lw.post_ff_norm is not None:
-                m = rms_norm(m, lw.post_ff_norm, eps)
-            x = x + m
+            x = decoder_layer(lw, x, shape, rope_tables[lw.rope], (cache.k[li], cache.v[li], wslot, positions),
+                              attend_fn, alike=self.batch_invariant)
             if li in wanted:
                 feats[li] = x
         for (slot, n), start in zip(segments, starts):
             cache.lengths[slot] = start + n
-        last_hidden = rms_norm(x, self.final_norm, eps)
-        logits = None
+        last_hidden = rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+        return ForwardOutput(self._logits(last_hidden, segments, logits_rows), last_hidden,
+                             tuple(feats[i] for i in feature_layers))
+
+    def _logits(self, last_hidden: torch.Tensor, segments: list[tuple[int, int]],
+                logits_rows: str | torch.Tensor | None) -> torch.Tensor | None:
         if isinstance(logits_rows, str) and logits_rows == "last":
             ends = torch.tensor([0] + [n for _, n in segments]).cumsum(0)[1:] - 1
-            logits = self.compute_logits(last_hidden[ends] if len(segments) > 1 else last_hidden[-1:])
-        elif isinstance(logits_rows, str):
-            logits = self.compute_logits(last_hidden)
-        elif logits_rows is not None:
-            logits = self.compute_logits(last_hidden[logits_rows])
-        return ForwardOutput(logits, last_hidden, tuple(feats[i] for i in feature_layers))
+            return self.compute_logits(last_hidden[ends] if len(segments) > 1 else last_hidden[-1:])
+        if isinstance(logits_rows, str):
+            return self.compute_logits(last_hidden)
+        if logits_rows is not None:
+            return self.compute_logits(last_hidden[logits_rows])
+        return None
+
+    def _attention(self, segments: list[tuple[int, int]], starts: list[int]) -> Attend:
+        """The forward's attention, laid out once for every layer: each segment attends causally
+        to its own cache slot (no padding). Batch-invariant: every segment on its own
+        (runtime/invariant.py). Otherwise the short segments of decoding and verification in one
+        batched product over their slots, each prefill chunk on its own (runtime/attention.py)."""
+        c = self.config
+        masks = self._masks(segments, starts)
+        if self.batch_invariant:
+            dec = DecodeRows.of(segments, c.num_heads, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
+
+            def attend_invariant(qs, kc, vc, window, out):
+                attend_all(qs, kc, vc, segments, starts, masks, window, out, dec)
+            return attend_invariant
+        row_starts = [0]
+        for _, n in segments[:-1]:
+            row_starts.append(row_starts[-1] + n)
+        batch = SlotBatch.of(segments, starts, row_starts, self.device)
+        # the segments that attend on their own: prefill chunks, or all of them without a batch
+        alone = [(slot, n, start, row, mask_for) for i, ((slot, n), start, row, mask_for)
+                 in enumerate(zip(segments, starts, row_starts, masks)) if batch is None or i not in batch.members]
+
+        def attend_segments(qs, kc, vc, window, out):
+            if batch is not None:
+                batch.attend(qs, kc, vc, window, out)
+            for slot, n, start, row, mask_for in alone:
+                end = start + n
+                attend(qs[row:row + n], kc[slot, :, :end], vc[slot, :, :end], mask_for(window), out[row:row + n])
+        return attend_segments
 
     __call__ = forward
 
