@@ -108,17 +108,7 @@ def load_foreign(folder: Path, target_config, embed: torch.Tensor, lm_head: torc
     except (OSError, ValueError) as e:
         raise _bad(folder, f"cannot read config.json: {e}") from None
     h = _hparams(folder, raw)
-    tc = target_config
-    V, d = int(h["vocab_size"]), int(h["hidden_size"])
-    if V != tc.vocab_size:
-        raise _bad(folder, f"vocab_size {V} != the target's {tc.vocab_size}")
-    if d != tc.hidden_size:
-        raise _bad(folder, f"hidden_size {d} != the target's {tc.hidden_size} (the drafter embeds with the "
-                           "target's embeddings)")
-    ids = [int(i) for i in h["target_layer_ids"]]
-    if not ids or min(ids) < 0 or max(ids) >= tc.num_layers:
-        raise _bad(folder, f"target_layer_ids {ids} out of range: the target has {tc.num_layers} layers, ids "
-                           f"0..{tc.num_layers - 1} (output of layer L; speculators' aux ids are L + 1)")
+    V, d, ids = _check_target(folder, h, target_config)
     if (folder / "mask_embedding.pt").is_file():     # z-lab MiMo's own mask vector: a pickle, never loaded
         raise _bad(folder, "mask_embedding.pt is not read (a pickle): convert the mask vector into row "
                            "mask_token_id of embed_tokens.weight")
@@ -126,85 +116,18 @@ def load_foreign(folder: Path, target_config, embed: torch.Tensor, lm_head: torc
     if L.FC not in state:
         raise _bad(folder, f"no {L.FC!r} tensor")
     fc = state[L.FC]
-    if fc.dim() != 2 or fc.shape[0] != d or fc.shape[1] != len(ids) * tc.hidden_size:
-        raise _bad(folder, f"{L.FC!r} is {list(fc.shape)}, expected [{d}, {len(ids)} x {tc.hidden_size}] for "
-                           f"target_layer_ids {ids}")
-    rank = int(h.get("markov_rank") or 0)
-    has_markov = rank > 0 or L.MARKOV_W1 in state
-    head_type = str(h.get("markov_head_type", "vanilla")) if has_markov else "none"
-    if has_markov and head_type != "vanilla":
-        raise _bad(folder, f"unsupported markov_head_type {head_type!r} (only 'vanilla')")
-    if has_markov and L.MARKOV_W1 not in state:
-        raise _bad(folder, f"markov_rank {rank} but no {L.MARKOV_W1!r} tensor")
-    if has_markov:
-        rank = int(state[L.MARKOV_W1].shape[1])
-    conf = bool(h.get("enable_confidence_head", False)) or "confidence_head.proj.weight" in state
-    if conf and not (has_markov and h.get("confidence_head_with_markov", True)):
-        raise _bad(folder, "a confidence head without the Markov embedding (confidence_head_with_markov false) "
-                           "is not supported")
+    if fc.dim() != 2 or fc.shape[0] != d or fc.shape[1] != len(ids) * target_config.hidden_size:
+        raise _bad(folder, f"{L.FC!r} is {list(fc.shape)}, expected [{d}, {len(ids)} x "
+                           f"{target_config.hidden_size}] for target_layer_ids {ids}")
+    has_markov, rank, head_type, conf = _heads(folder, h, state)
     vocab = _draft_vocab(folder, h, state, V)
-    heads = int(h["num_attention_heads"])
     ext = raw.get(L.EXTENSION_KEY) or {}
-    temps, shifts = ext.get("sts_temperatures"), ext.get("sts_shifts")
-    sts_file = folder / L.SGLANG_STS_FILE
-    if temps is None and sts_file.is_file():
-        try:
-            temps = [float(t) for t in json.loads(sts_file.read_text())["temperatures"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise _bad(folder, f"cannot read {L.SGLANG_STS_FILE}: {e}") from None
-
-    # the Markov table: compact (draft rows + one shared row) when the rows outside the draft
-    # vocabulary are one row, as in our exports; whole otherwise
-    w1 = None
-    full_table = False
-    if has_markov:
-        w1 = state[L.MARKOV_W1]
-        if tuple(w1.shape) != (V, rank):
-            raise _bad(folder, f"{L.MARKOV_W1!r} is {list(w1.shape)}, expected [{V}, {rank}] (vocab_size, markov_rank)")
-        outside = torch.ones(V, dtype=torch.bool)
-        outside[vocab] = False
-        rest = w1[outside]
-        if rest.shape[0] == 0:
-            w1 = torch.cat([w1[vocab], torch.zeros(1, rank, dtype=w1.dtype)])
-        elif bool((rest == rest[:1]).all()):
-            w1 = torch.cat([w1[vocab], rest[:1]])
-        else:
-            full_table = True
-            w1 = torch.cat([w1[vocab], rest])
-
-    try:
-        cfg = DrafterConfig(
-            kind="dspark" if has_markov else "dflash", hidden_size=d, intermediate_size=int(h["intermediate_size"]),
-            num_hidden_layers=int(h["num_hidden_layers"]), num_attention_heads=heads,
-            num_key_value_heads=int(h["num_key_value_heads"]), head_dim=int(h.get("head_dim") or d // heads),
-            qk_norm="layers.0.self_attn.q_norm.weight" in state, rms_norm_eps=float(h.get("rms_norm_eps", 1e-6)),
-            rope_theta=h["rope_theta"], block_size=h["drafts"], target_layer_ids=ids,
-            sample_from_anchor=h["sample_from_anchor"],
-            mask_token_id=int(h["mask_token_id"]), markov_rank=rank if has_markov else 0,
-            markov_head_type=head_type, markov_full_table=full_table, confidence_head=conf, vocab_size=V,
-            target=str(ext.get("target") or ""), target_hidden_size=tc.hidden_size,
-            final_logit_softcap=h.get("final_logit_softcapping") or tc.final_logit_softcap,
-            embed_scale=tc.embed_scale, sts_temperatures=temps, sts_shifts=shifts)
-    except (TypeError, ValueError) as e:
-        raise _bad(folder, f"inconsistent config: {e}") from None
-    if not 0 <= cfg.mask_token_id < V:
-        raise _bad(folder, f"mask_token_id {cfg.mask_token_id} outside the vocabulary [0, {V})")
+    sts = _calibration(folder, ext)
+    w1, full_table = _markov_table(folder, state[L.MARKOV_W1], vocab, V, rank) if has_markov else (None, False)
+    cfg = _config(folder, h, ext, target_config, ids, sts, markov=(rank, head_type, full_table) if has_markov else None,
+                  conf=conf, qk_norm="layers.0.self_attn.q_norm.weight" in state)
     model = DSparkModel(cfg, vocab)
-
-    ours: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_hidden_layers):
-        for mine, theirs in L.layer_names(i).items():
-            if theirs.endswith(("q_norm.weight", "k_norm.weight")) and not cfg.qk_norm:
-                continue
-            if theirs not in state:
-                raise _bad(folder, f"missing tensor {theirs!r}")
-            ours[mine] = state[theirs]
-    for mine, theirs in L.PLAIN.items():
-        if mine.startswith("head.") and not has_markov or mine.startswith("confidence.") and not conf:
-            continue
-        if theirs not in state:
-            raise _bad(folder, f"missing tensor {theirs!r}")
-        ours[mine] = state[theirs]
+    ours = _our_tensors(folder, state, cfg, has_markov, conf)
     ours["backbone.fc.weight"] = fc
     ours["backbone.feature_scale"] = torch.ones(fc.shape[1])
     if w1 is not None:
@@ -227,6 +150,117 @@ def load_foreign(folder: Path, target_config, embed: torch.Tensor, lm_head: torc
     if missing or unexpected:
         raise _bad(folder, f"tensors do not match config.json (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.float()
+
+
+def _check_target(folder: Path, h: dict[str, Any], tc) -> tuple[int, int, list[int]]:
+    """The vocabulary, width and feature layers, checked against the target's config."""
+    V, d = int(h["vocab_size"]), int(h["hidden_size"])
+    if V != tc.vocab_size:
+        raise _bad(folder, f"vocab_size {V} != the target's {tc.vocab_size}")
+    if d != tc.hidden_size:
+        raise _bad(folder, f"hidden_size {d} != the target's {tc.hidden_size} (the drafter embeds with the "
+                           "target's embeddings)")
+    ids = [int(i) for i in h["target_layer_ids"]]
+    if not ids or min(ids) < 0 or max(ids) >= tc.num_layers:
+        raise _bad(folder, f"target_layer_ids {ids} out of range: the target has {tc.num_layers} layers, ids "
+                           f"0..{tc.num_layers - 1} (output of layer L; speculators' aux ids are L + 1)")
+    return V, d, ids
+
+
+def _heads(folder: Path, h: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[bool, int, str, bool]:
+    """(has a Markov head, its rank, its type, has a confidence head), from the config and tensors."""
+    rank = int(h.get("markov_rank") or 0)
+    has_markov = rank > 0 or L.MARKOV_W1 in state
+    head_type = str(h.get("markov_head_type", "vanilla")) if has_markov else "none"
+    if has_markov and head_type != "vanilla":
+        raise _bad(folder, f"unsupported markov_head_type {head_type!r} (only 'vanilla')")
+    if has_markov and L.MARKOV_W1 not in state:
+        raise _bad(folder, f"markov_rank {rank} but no {L.MARKOV_W1!r} tensor")
+    if has_markov:
+        rank = int(state[L.MARKOV_W1].shape[1])
+    conf = bool(h.get("enable_confidence_head", False)) or "confidence_head.proj.weight" in state
+    if conf and not (has_markov and h.get("confidence_head_with_markov", True)):
+        raise _bad(folder, "a confidence head without the Markov embedding (confidence_head_with_markov false) "
+                           "is not supported")
+    return has_markov, rank, head_type, conf
+
+
+def _markov_table(folder: Path, w1: torch.Tensor, vocab: torch.Tensor, V: int, rank: int
+                  ) -> tuple[torch.Tensor, bool]:
+    """The Markov table [V, rank] with the draft vocabulary's rows first -> (table, kept whole):
+    compact (draft rows + one shared row) when the rows outside the draft vocabulary are all one
+    row, as in our exports; whole otherwise."""
+    if tuple(w1.shape) != (V, rank):
+        raise _bad(folder, f"{L.MARKOV_W1!r} is {list(w1.shape)}, expected [{V}, {rank}] (vocab_size, markov_rank)")
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[vocab] = False
+    rest = w1[outside]
+    if rest.shape[0] == 0:
+        return torch.cat([w1[vocab], torch.zeros(1, rank, dtype=w1.dtype)]), False
+    if bool((rest == rest[:1]).all()):
+        return torch.cat([w1[vocab], rest[:1]]), False
+    return torch.cat([w1[vocab], rest]), True
+
+
+def _calibration(folder: Path, ext: dict[str, Any]) -> tuple[list[float] | None, list[float] | None]:
+    """The confidence calibration (temperatures, shifts): ours in the extension key, else
+    SGLang's STS file, else none."""
+    temps, shifts = ext.get("sts_temperatures"), ext.get("sts_shifts")
+    sts_file = folder / L.SGLANG_STS_FILE
+    if temps is None and sts_file.is_file():
+        try:
+            temps = [float(t) for t in json.loads(sts_file.read_text())["temperatures"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise _bad(folder, f"cannot read {L.SGLANG_STS_FILE}: {e}") from None
+    return temps, shifts
+
+
+def _config(folder: Path, h: dict[str, Any], ext: dict[str, Any], tc, ids: list[int],
+            sts: tuple[list[float] | None, list[float] | None], *, markov: tuple[int, str, bool] | None,
+            conf: bool, qk_norm: bool) -> DrafterConfig:
+    """Our DrafterConfig for the checkpoint. ``markov``: (rank, head type, whole table), None
+    without a Markov head."""
+    rank, head_type, full_table = markov if markov is not None else (0, "none", False)
+    d, heads, V = int(h["hidden_size"]), int(h["num_attention_heads"]), int(h["vocab_size"])
+    try:
+        cfg = DrafterConfig(
+            kind="dspark" if markov is not None else "dflash", hidden_size=d,
+            intermediate_size=int(h["intermediate_size"]),
+            num_hidden_layers=int(h["num_hidden_layers"]), num_attention_heads=heads,
+            num_key_value_heads=int(h["num_key_value_heads"]), head_dim=int(h.get("head_dim") or d // heads),
+            qk_norm=qk_norm, rms_norm_eps=float(h.get("rms_norm_eps", 1e-6)),
+            rope_theta=h["rope_theta"], block_size=h["drafts"], target_layer_ids=ids,
+            sample_from_anchor=h["sample_from_anchor"],
+            mask_token_id=int(h["mask_token_id"]), markov_rank=rank,
+            markov_head_type=head_type, markov_full_table=full_table, confidence_head=conf, vocab_size=V,
+            target=str(ext.get("target") or ""), target_hidden_size=tc.hidden_size,
+            final_logit_softcap=h.get("final_logit_softcapping") or tc.final_logit_softcap,
+            embed_scale=tc.embed_scale, sts_temperatures=sts[0], sts_shifts=sts[1])
+    except (TypeError, ValueError) as e:
+        raise _bad(folder, f"inconsistent config: {e}") from None
+    if not 0 <= cfg.mask_token_id < V:
+        raise _bad(folder, f"mask_token_id {cfg.mask_token_id} outside the vocabulary [0, {V})")
+    return cfg
+
+
+def _our_tensors(folder: Path, state: dict[str, torch.Tensor], cfg: DrafterConfig, has_markov: bool,
+                 conf: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's layer and head tensors under our names."""
+    ours: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_hidden_layers):
+        for mine, theirs in L.layer_names(i).items():
+            if theirs.endswith(("q_norm.weight", "k_norm.weight")) and not cfg.qk_norm:
+                continue
+            if theirs not in state:
+                raise _bad(folder, f"missing tensor {theirs!r}")
+            ours[mine] = state[theirs]
+    for mine, theirs in L.PLAIN.items():
+        if mine.startswith("head.") and not has_markov or mine.startswith("confidence.") and not conf:
+            continue
+        if theirs not in state:
+            raise _bad(folder, f"missing tensor {theirs!r}")
+        ours[mine] = state[theirs]
+    return ours
 
 
 def _check_lm_head(folder: Path, shipped: torch.Tensor | None, lm_head: torch.Tensor, vocab: torch.Tensor) -> None:
