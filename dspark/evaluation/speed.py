@@ -154,7 +154,36 @@ def _llama_cpp_system(gguf_path, eos, max_new, lookup: int | None):
 
 def run_speed_bench(args) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    systems = list(ALL_SYSTEMS) if not args.systems else [s.strip() for s in args.systems.split(",")]
+    systems = _systems(args.systems)
+    target = target_from_args(args)
+    tok = target.tokenizer
+    prompts = []
+    for d in datasets:
+        for p in load_prompts(d, args.num_prompts):
+            prompts.append((d, encode_prompt(tok, p, chat=True)))
+    runners, skipped = _runners(systems, target, args)
+    for s, why in skipped.items():
+        print(f"skipping {s}: {why}", file=sys.stderr)
+    # warm-up on a prompt that is not measured
+    warm = tok("Say hello.", add_special_tokens=False)["input_ids"]
+    for run in runners.values():
+        run(warm)
+    results = _measure(runners, prompts)
+    report = _report(results, datasets, args, skipped)
+    md = _markdown(report)
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _systems(spec: str | None) -> list[str]:
+    """The systems named on the command line (all of ALL_SYSTEMS by default), checked before
+    anything is loaded."""
+    systems = list(ALL_SYSTEMS) if not spec else [s.strip() for s in spec.split(",")]
     unknown = [s for s in systems if _base(s) not in ALL_SYSTEMS + TRAINED_SYSTEMS
                or ("@" in s and _base(s) not in POLICY_SYSTEMS)]
     if unknown:
@@ -164,16 +193,13 @@ def run_speed_bench(args) -> int:
     for s in systems:
         if "@" in s:
             make_policy(s.partition("@")[2])   # validates the policy name before loading anything
-    temp, seed = args.temperature, args.seed
-    target = target_from_args(args)
-    tok = target.tokenizer
-    eos = target.eos_token_ids
-    max_new = args.max_new_tokens
-    prompts = []
-    for d in datasets:
-        for p in load_prompts(d, args.num_prompts):
-            prompts.append((d, encode_prompt(tok, p, chat=True)))
+    return systems
 
+
+def _runners(systems: list[str], target, args) -> tuple[dict, dict[str, str]]:
+    """A ``run(ids) -> (new ids, seconds, target forwards after prefill)`` per system, and the
+    systems skipped with why (llama.cpp without a GGUF target or without its package)."""
+    temp, seed, max_new, eos = args.temperature, args.seed, args.max_new_tokens, target.eos_token_ids
     runners = {}
     skipped = {}
     for s in systems:
@@ -203,14 +229,11 @@ def run_speed_bench(args) -> int:
                 skipped[s] = "llama-cpp-python is not installed (pip install 'dspark[llama-cpp]')"
                 continue
             runners[s] = r
-    for s, why in skipped.items():
-        print(f"skipping {s}: {why}", file=sys.stderr)
+    return runners, skipped
 
-    # warm-up on a prompt that is not measured
-    warm = tok("Say hello.", add_special_tokens=False)["input_ids"]
-    for run in runners.values():
-        run(warm)
 
+def _measure(runners: dict, prompts: list[tuple[str, list[int]]]) -> dict[str, SystemResult]:
+    """Every prompt on every system in turn (interleaved, so that a noisy machine slows all alike)."""
     results = {s: SystemResult(s) for s in runners}
     for i, (d, ids) in enumerate(prompts):
         for s, run in runners.items():
@@ -225,16 +248,7 @@ def run_speed_bench(args) -> int:
             agg[1] += dt
         print(f"[{i + 1}/{len(prompts)}] {d}: " + ", ".join(
             f"{s} {results[s].tokens_per_second:.1f}" for s in runners), file=sys.stderr)
-
-    report = _report(results, datasets, args, skipped)
-    md = _markdown(report)
-    print(md)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md + "\n")
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return results
 
 
 def _report(results, datasets, args, skipped) -> dict:
