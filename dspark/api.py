@@ -10,7 +10,7 @@ from typing import cast
 
 from .drafters import Drafter, load_drafter
 from .errors import UsageError
-from .engine import check_policy_name, serving_engine
+from .engine import RequestOptions, check_policy_name, serving_engine
 from .generation import GenerationStats, generate_ids
 from .runtime.loading import Target, load_target
 from .sampling import SamplingParams
@@ -120,8 +120,8 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     reqs = []
     for i, p in enumerate(ids):
         params = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-        reqs.append(engine.add_request(p, params, max_new_tokens,
-                                       grammar=None if grammar is None else grammar_state(tgt, grammar)))
+        state = None if grammar is None else grammar_state(tgt, grammar)     # one per request: it advances
+        reqs.append(engine.add_request(p, RequestOptions(params, max_new_tokens, grammar=state)))
     engine.run()
     # decode of one sequence (a list of ints) is one string
     return [GenerationResult(cast(str, tgt.tokenizer.decode(r.output_ids, skip_special_tokens=True)), r.output_ids,

@@ -29,6 +29,7 @@ tell), any failure leaves ``step`` with its exception.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -54,17 +55,33 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks for: one type for the engine (``Engine.add_request``), the Python API,
+    the server's jobs and regeneration, so that a new option is spelled out once.
+
+    ``logprobs``: record each output token's log probability and this many most likely tokens'
+    (Request.output_logprobs; None = nothing recorded); ``prompt_logprobs``: the same for every
+    prompt token after the first (Request.prompt_logprobs_out, filled as it prefills);
+    ``min_tokens``: the stop tokens have probability 0 until the output holds that many (the law
+    the output then follows, which speculative decoding reproduces like any other); ``grammar``: a
+    structured.GrammarState of this request alone (it advances with the output, so options that
+    carry one serve one request), whose allowed tokens restrict the law at every position."""
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    stop_ids: frozenset[int] | None = None    # None: the engine's eos ids
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    grammar: GrammarState | None = None
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    stop_ids: frozenset = frozenset()
+    options: RequestOptions               # its stop_ids resolved (never None)
     on_tokens: Callable | None = None     # called with each list of newly emitted tokens
-    logprobs: int | None = None           # None, or how many most likely tokens to record per position
-    prompt_logprobs: int | None = None    # the same for the prompt's tokens (from the second on)
-    min_tokens: int = 0                   # no stop token among the first this many output tokens
-    grammar: GrammarState | None = None   # structured.GrammarState: the tokens allowed next, or None
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list = field(default_factory=list)
     status: str = "waiting"               # waiting | running | finished | cancelled | failed
@@ -85,6 +102,59 @@ class Request:
     @property
     def done(self) -> bool:
         return self.status in ("finished", "cancelled", "failed")
+
+    # the options, read where the engine and the policies use them
+    @property
+    def params(self) -> SamplingParams:
+        return self.options.params
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.options.stop_ids or frozenset()
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.options.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.options.prompt_logprobs
+
+    @property
+    def min_tokens(self) -> int:
+        return self.options.min_tokens
+
+    @property
+    def grammar(self) -> GrammarState | None:
+        return self.options.grammar
+
+
+@dataclass
+class _Chunk:
+    """A prefilling request's chunk of prompt in a step's batch."""
+
+    req: Request
+    start: int          # where its tokens start in the batch
+    n: int              # how many
+    scored: int         # rows asked for its prompt log probabilities (the first ``scored`` of the chunk)
+    completes: bool     # the prompt's last chunk: its last row is asked for too (the first token)
+
+
+@dataclass
+class _Batch:
+    """A step's ragged batch: the tokens of every decoding request's block (anchor + drafts, padded
+    with ``padded``) and then of the prefilling chunks; which rows' logits are wanted."""
+
+    ids: list[int] = field(default_factory=list)
+    segments: list[tuple[int, int]] = field(default_factory=list)   # (cache slot, tokens) per request
+    rows: list[int] = field(default_factory=list)                   # the rows whose logits are wanted
+    sent: list[int] = field(default_factory=list)     # per decoding request: tokens it sent (padding too)
+    start: list[int] = field(default_factory=list)    # per decoding request: where its tokens start
+    chunks: list[_Chunk] = field(default_factory=list)
 
 
 class Engine:
@@ -119,37 +189,43 @@ class Engine:
         self.isolate_failures = isolate_failures   # a failure serving one request ends it alone (see above)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int, *,
-                    stop_ids=None, on_tokens=None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, min_tokens: int = 0, grammar=None) -> Request:
-        """``logprobs``: record each output token's log probability and this many most likely
-        tokens' (Request.output_logprobs; None = nothing recorded); ``prompt_logprobs``: the same for
-        every prompt token after the first (Request.prompt_logprobs_out, filled as it prefills);
-        ``min_tokens``: the stop tokens have probability 0 until the output holds that many (the
-        law the output then follows, which speculative decoding reproduces like any other);
-        ``grammar``: a structured.GrammarState of this request alone, whose allowed tokens restrict
-        the law at every position (structured outputs)."""
+    def add_request(self, prompt_ids: list[int], options: RequestOptions | SamplingParams,
+                    max_new_tokens: int | None = None, *, on_tokens: Callable | None = None, **fields) -> Request:
+        """Queue a request: ``options`` (RequestOptions), or its sampling settings with
+        ``max_new_tokens`` and any other RequestOptions field as a keyword (``stop_ids``,
+        ``logprobs``, ...); ``on_tokens`` is called with each list of newly emitted tokens."""
+        if isinstance(options, SamplingParams):
+            if max_new_tokens is None:
+                raise UsageError("max-new-tokens is needed with sampling settings")
+            options = RequestOptions(options, max_new_tokens, **fields)
+        elif max_new_tokens is not None or fields:
+            raise UsageError("with RequestOptions, give no other option")
         if not prompt_ids:
             raise UsageError("prompt is empty")
-        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if k is not None and not 0 <= k <= self.target.config.vocab_size:
-                raise UsageError(f"{name} must be in [0, {self.target.config.vocab_size}], got {k}")
-        if max_new_tokens <= 0:
-            raise UsageError(f"max-new-tokens must be > 0, got {max_new_tokens}")
-        if not isinstance(min_tokens, int) or min_tokens < 0:
-            raise UsageError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
-        if max_new_tokens > self.room(len(prompt_ids)):
-            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) "
-                             f"exceed the per-request cache of {self.cache.max_len} tokens")
-        stops = self.eos_ids if stop_ids is None else frozenset(stop_ids)
-        if any(not 0 <= t < self.target.config.vocab_size for t in stops):
-            raise UsageError(f"stop token ids must be in [0, {self.target.config.vocab_size}), got {sorted(stops)}")
-        req = Request(list(prompt_ids), params, max_new_tokens, stops, on_tokens, logprobs, prompt_logprobs,
-                      min_tokens, grammar)
-        req.generator = params.generator(self.target.device)
+        self._check(options, len(prompt_ids))
+        stops = self.eos_ids if options.stop_ids is None else frozenset(options.stop_ids)
+        req = Request(list(prompt_ids), dataclasses.replace(options, stop_ids=stops), on_tokens)
+        req.generator = options.params.generator(self.target.device)
         req.t_start = time.perf_counter()
         self.waiting.append(req)
         return req
+
+    def _check(self, o: RequestOptions, prompt_len: int) -> None:
+        """The options checked against this engine's vocabulary and cache."""
+        vocab = self.target.config.vocab_size
+        for name, k in (("logprobs", o.logprobs), ("prompt_logprobs", o.prompt_logprobs)):
+            if k is not None and not 0 <= k <= vocab:
+                raise UsageError(f"{name} must be in [0, {vocab}], got {k}")
+        if o.max_new_tokens <= 0:
+            raise UsageError(f"max-new-tokens must be > 0, got {o.max_new_tokens}")
+        if not isinstance(o.min_tokens, int) or o.min_tokens < 0:
+            raise UsageError(f"min_tokens must be an integer >= 0, got {o.min_tokens!r}")
+        if o.max_new_tokens > self.room(prompt_len):
+            raise UsageError(f"prompt ({prompt_len} tokens) + max-new-tokens ({o.max_new_tokens}) "
+                             f"exceed the per-request cache of {self.cache.max_len} tokens")
+        stops = self.eos_ids if o.stop_ids is None else frozenset(o.stop_ids)
+        if any(not 0 <= t < vocab for t in stops):
+            raise UsageError(f"stop token ids must be in [0, {vocab}), got {sorted(stops)}")
 
     def room(self, prompt_len: int) -> int:
         """The most new tokens a request with this prompt may ask for: its cache slot also holds the
@@ -251,118 +327,158 @@ class Engine:
 
     @torch.inference_mode()
     def _step(self) -> list[Request]:
+        """admit -> draft -> lay out the ragged batch -> one target forward -> verify every block ->
+        accept and emit -> the prefilled prompts' first tokens; returns the requests that ended."""
         self._admit()
         if not self.running:
             return []
         self.num_steps += 1
         decode = [r for r in self.running if r.ctx is not None]
         prefill = [r for r in self.running if r.ctx is None]
-
         proposals, drafted = self._draft(decode)
-        failed = [r for r in decode if r.done]      # its drafting failed: it ended alone
-        if failed:
+        ended = [r for r in decode if r.done]      # its drafting failed: it ended alone
+        if ended:
             kept = [i for i, r in enumerate(decode) if not r.done]
             decode, proposals = [decode[i] for i in kept], [proposals[i] for i in kept]
             drafted = [drafted[i] for i in kept]
+        batch = self._layout(decode, proposals, prefill)
+        if not batch.ids:
+            return ended
+        self._decode_only = bool(decode) and not batch.chunks
+        logits, feats = self._forward(batch)
+        blocks = self._blocks(logits, proposals)
+        verdicts = self._verify(decode, proposals, blocks)
+        for i, (r, verdict) in enumerate(zip(decode, verdicts)):
+            if verdict is None:     # it failed verification and ended alone
+                ended.append(r)
+            elif self._accept(r, proposals[i], verdict, drafted[i], batch.sent[i], batch.start[i], feats, blocks[i]):
+                ended.append(r)
+        at = sum(len(p) + 1 for p in proposals)     # the chunks' logits rows follow the blocks'
+        return ended + self._prefilled(batch.chunks, logits, at)
 
-        ids: list[int] = []
-        segments: list[tuple[int, int]] = []
-        rows: list[int] = []
+    def _layout(self, decode: list[Request], proposals: list[Proposal], prefill: list[Request]) -> _Batch:
+        """The step's ragged batch: each decoding request's anchor and verified drafts (all their
+        rows wanted), then chunks of the prefilling prompts up to ``prefill_chunk`` tokens in all
+        (the rows of the prompt log probabilities asked for, and a completed prompt's last row)."""
+        b = _Batch()
         width = max((len(p) for p in proposals), default=0)
-        seg_len, seg_start = [], []
         for r, p in zip(decode, proposals):
             assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
             n = len(p) + 1
-            seg_start.append(len(ids))
-            rows.extend(range(len(ids), len(ids) + n))
-            ids.append(r.ctx.tokens[-1])
-            ids.extend(p.tokens.tolist())
+            b.start.append(len(b.ids))
+            b.rows.extend(range(len(b.ids), len(b.ids) + n))
+            b.ids.append(r.ctx.tokens[-1])
+            b.ids.extend(p.tokens.tolist())
             if self.padded and width > len(p):   # dummy tokens, computed then rolled back
-                ids.extend([r.ctx.tokens[-1]] * (width - len(p)))
+                b.ids.extend([r.ctx.tokens[-1]] * (width - len(p)))
                 n = width + 1
-            segments.append((r.slot, n))
-            seg_len.append(n)
+            b.segments.append((r.slot, n))
+            b.sent.append(n)
         budget = max(self.prefill_chunk, 1)
-        chunks = []     # (request, where its tokens start in ids, how many, prompt rows scored, completes)
         for r in prefill:
             if budget <= 0:
                 break
             assert r.slot is not None   # a running request holds a slot
             n = min(budget, len(r.prompt_ids) - r.prefilled)
-            start = len(ids)
-            ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
-            segments.append((r.slot, n))
+            start = len(b.ids)
+            b.ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
+            b.segments.append((r.slot, n))
             # with prompt_logprobs, the rows of the chunk's positions whose next token is in the prompt
             scored = 0 if r.prompt_logprobs is None else min(n, len(r.prompt_ids) - 1 - r.prefilled)
-            rows.extend(range(start, start + scored))
+            b.rows.extend(range(start, start + scored))
             r.prefilled += n
             budget -= n
             completes = r.prefilled == len(r.prompt_ids)
             if completes:
-                rows.append(len(ids) - 1)
-            chunks.append((r, start, n, scored, completes))
-        if not ids:
-            return failed
-        self._decode_only = bool(decode) and not chunks
+                b.rows.append(len(b.ids) - 1)
+            b.chunks.append(_Chunk(r, start, n, scored, completes))
+        return b
+
+    def _forward(self, b: _Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The one target forward of the step: (the wanted rows' logits, the features the drafter
+        reads at every position, or None); the prefilled chunks' features go to their requests."""
         wanted = self.drafter.feature_layers
-        out = self.target(torch.tensor(ids, dtype=torch.long), segments, self.cache, feature_layers=wanted,
-                          logits_rows=torch.tensor(rows, dtype=torch.long) if rows else None)
-        feats = None
-        if wanted:   # hand the drafter the target features of every verified position
-            feats = out.features[0] if len(wanted) == 1 else torch.cat(out.features, -1)
-            for r, start, n, _, _ in chunks:
-                r.prompt_features.append(feats[start:start + n])
-                if self.prefix is not None:
-                    assert r.slot is not None   # a running request holds a slot
-                    self.prefix.store_features(r.slot, r.prefilled - n, feats[start:start + n])
-        ended = failed
-        at = 0
-        for r, p, sent, start, d in zip(decode, proposals, seg_len, seg_start, drafted):
-            assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
-            assert out.logits is not None   # every decoding request has logits rows
-            l = len(p)
-            logits = out.logits[at:at + l + 1]     # raw: what log probabilities report
-            at += l + 1
+        out = self.target(torch.tensor(b.ids, dtype=torch.long), b.segments, self.cache, feature_layers=wanted,
+                          logits_rows=torch.tensor(b.rows, dtype=torch.long) if b.rows else None)
+        if not wanted:
+            return out.logits, None
+        feats = out.features[0] if len(wanted) == 1 else torch.cat(out.features, -1)
+        for c in b.chunks:
+            c.req.prompt_features.append(feats[c.start:c.start + c.n])
+            if self.prefix is not None:
+                assert c.req.slot is not None   # a running request holds a slot
+                self.prefix.store_features(c.req.slot, c.req.prefilled - c.n, feats[c.start:c.start + c.n])
+        return out.logits, feats
+
+    @staticmethod
+    def _blocks(logits: torch.Tensor | None, proposals: list[Proposal]) -> list[torch.Tensor]:
+        """Each decoding request's rows [l + 1, V] of the target's raw logits (what log probabilities report)."""
+        if not proposals:
+            return []
+        assert logits is not None   # every decoding request has logits rows
+        sizes = [len(p) + 1 for p in proposals]
+        return list(logits[:sum(sizes)].split(sizes))
+
+    def _verify(self, decode: list[Request], proposals: list[Proposal],
+                blocks: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+        """Each decoding request's (accepted drafts n, the token emitted after them), or None where
+        verifying it failed (its grammar, its sampling settings) and it ended alone (``_fail``)."""
+        verdicts: list[tuple[int, int] | None] = []
+        for r, p, logits in zip(decode, proposals, blocks):
             try:
-                n, nxt = verify(p.tokens, p.probs, self._law(r, logits, p.tokens), r.params, r.generator)
+                verdicts.append(verify(p.tokens, p.probs, self._law(r, logits, p.tokens), r.params, r.generator))
             except Exception as e:     # its grammar, its sampling settings: it alone ends
                 self._fail(r, e)
-                ended.append(r)
-                continue
-            self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
-            if feats is not None:
-                r.ctx.features.append(feats[start:start + n + 1])
-                if self.prefix is not None:
-                    self.prefix.store_features(r.slot, self.cache.lengths[r.slot] - n - 1, feats[start:start + n + 1])
-            s = r.stats
-            s.num_rounds += 1
-            if p.forced:
-                s.num_forced_tokens += n
-            elif l:
-                s.num_drafts += 1
-                s.num_draft_tokens += l
-                s.num_accepted_tokens += n
-                if len(s.accepted_per_position) < l:
-                    s.accepted_per_position.extend([0] * (l - len(s.accepted_per_position)))
-                for i in range(n):
-                    s.accepted_per_position[i] += 1
-            self._outcomes.append(RequestOutcome(r.id, d, l, n, p.free, p.forced))
-            if self._emit(r, p.tokens[:n].tolist() + [nxt], logits):
-                ended.append(r)
-        for r, _, n, scored, completes in chunks:
-            first_row, at = at, at + scored + int(completes)   # its rows: the scored ones, then the last
+                verdicts.append(None)
+        return verdicts
+
+    def _accept(self, r: Request, p: Proposal, verdict: tuple[int, int], drafted: int, sent: int, start: int,
+                feats: torch.Tensor | None, logits: torch.Tensor) -> bool:
+        """r's verified block: its cache rolls back over the rejected drafts (and ``sent`` - l - 1
+        padding), the drafter gets the kept positions' features, its stats and the policy's outcome
+        count it, and its accepted drafts and the next token are emitted; True if r ended."""
+        assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
+        n, nxt = verdict
+        l = len(p)
+        self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
+        if feats is not None:
+            r.ctx.features.append(feats[start:start + n + 1])
+            if self.prefix is not None:
+                self.prefix.store_features(r.slot, self.cache.lengths[r.slot] - n - 1, feats[start:start + n + 1])
+        s = r.stats
+        s.num_rounds += 1
+        if p.forced:
+            s.num_forced_tokens += n
+        elif l:
+            s.num_drafts += 1
+            s.num_draft_tokens += l
+            s.num_accepted_tokens += n
+            if len(s.accepted_per_position) < l:
+                s.accepted_per_position.extend([0] * (l - len(s.accepted_per_position)))
+            for i in range(n):
+                s.accepted_per_position[i] += 1
+        self._outcomes.append(RequestOutcome(r.id, drafted, l, n, p.free, p.forced))
+        return self._emit(r, p.tokens[:n].tolist() + [nxt], logits)
+
+    def _prefilled(self, chunks: list[_Chunk], logits: torch.Tensor | None, at: int) -> list[Request]:
+        """The chunks' prompt log probabilities (their rows from ``at`` on), and for each prompt
+        now prefilled its first token drawn and its drafting context; returns those that ended."""
+        ended = []
+        for c in chunks:
+            r = c.req
+            first_row, at = at, at + c.scored + int(c.completes)   # its rows: the scored ones, then the last
             try:
-                if scored:      # row j of the chunk predicts the prompt's next token
+                if c.scored:      # row j of the chunk predicts the prompt's next token
                     # scored rows: asked for, and only with prompt_logprobs
-                    assert out.logits is not None and r.prompt_logprobs is not None
-                    first_pos = r.prefilled - n + 1
+                    assert logits is not None and r.prompt_logprobs is not None
+                    first_pos = r.prefilled - c.n + 1
                     r.prompt_logprobs_out.extend(token_logprobs(
-                        out.logits[first_row:first_row + scored], r.prompt_ids[first_pos:first_pos + scored],
+                        logits[first_row:first_row + c.scored], r.prompt_ids[first_pos:first_pos + c.scored],
                         r.prompt_logprobs))
-                if not completes:
+                if not c.completes:
                     continue
-                assert out.logits is not None   # a completed prompt's last row was asked for
-                first, _ = sample_from_logits(self._law(r, out.logits[at - 1:at])[0], r.params, r.generator)
+                assert logits is not None   # a completed prompt's last row was asked for
+                first, _ = sample_from_logits(self._law(r, logits[at - 1:at])[0], r.params, r.generator)
             except Exception as e:     # its grammar, its sampling settings: it alone ends
                 self._fail(r, e)
                 ended.append(r)
@@ -370,7 +486,7 @@ class Engine:
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features,
                                  grammar=r.grammar)
-            if self._emit(r, [int(first)], out.logits[at - 1:at]):
+            if self._emit(r, [int(first)], logits[at - 1:at]):
                 ended.append(r)
         return ended
 

@@ -7,7 +7,7 @@ anchor and emits one token, so both share every line that touches the target.
 from __future__ import annotations
 
 from .drafters.base import Drafter, PlainDrafter
-from .engine import Engine
+from .engine import Engine, RequestOptions
 from .metrics import GenerationStats
 from .runtime.model import Decoder
 from .sampling import SamplingParams
@@ -29,6 +29,6 @@ def generate_ids(target: Decoder, prompt_ids: list[int], params: SamplingParams,
     k = drafter.block_size if num_draft is None else num_draft
     engine = Engine(target, drafter, policy or FixedPolicy(k), max_requests=1, block_size=k,
                     max_len=len(prompt_ids) + max_new_tokens + k + 1, eos_ids=eos_ids)
-    req = engine.add_request(prompt_ids, params, max_new_tokens, on_tokens=stream, grammar=grammar)
+    req = engine.add_request(prompt_ids, RequestOptions(params, max_new_tokens, grammar=grammar), on_tokens=stream)
     engine.run()
     return req.output_ids, req.stats

@@ -46,7 +46,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine
+from .engine import Engine, RequestOptions
 from .errors import DsparkError
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TextStream, TokenizeRequest,
                        chat_messages)
@@ -58,7 +58,6 @@ from .structured import grammar_state
 
 if TYPE_CHECKING:
     from .engine import Request as EngineRequest   # fastapi's Request is the HTTP one here
-    from .structured import GrammarState
 
 log = logging.getLogger("dspark.server")
 
@@ -116,20 +115,40 @@ class Metrics:
                 self.accepted_pos.labels(position=str(k)).inc(n)
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """A job's event: tokens it emitted, and their log probabilities (entries of
+    Request.output_logprobs) when it asked for them."""
+
+    ids: list[int]
+    logprobs: list | None = None
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A job's event: it ended with the engine's finish_reason (stop, length, cancelled)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job's event: serving it failed (the message is what its client is told)."""
+
+    message: str
+
+
+Event = Tokens | Ended | Failed
+
+
 @dataclass(eq=False)     # hashed by identity: EngineWorker keeps the live ones in a set
 class Job:
-    """One engine request as the HTTP side sees it; ``sink`` receives its events on the engine
-    thread: ("tokens", ids, their log probabilities or None), ("end", finish_reason), ("error", message)."""
+    """One engine request as the HTTP side sees it; ``sink`` receives its events (Event) on the
+    engine thread."""
 
     prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    stop_ids: frozenset | None
-    sink: Callable[[tuple], None]
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    min_tokens: int = 0
-    grammar: GrammarState | None = None     # structured.GrammarState of this choice, or None
+    options: RequestOptions
+    sink: Callable[[Event], None]
     request: EngineRequest | None = None    # the engine's request, once added (by the engine thread)
     t_submit: float = field(default_factory=time.perf_counter)
     first_token: bool = True
@@ -237,7 +256,7 @@ class EngineWorker:
                     eng.cancel(job.request)
                     self._jobs.pop(job.request.id, None)
                     self._forget(job)
-                    job.sink(("error", _text(f"engine failure: {type(e).__name__}: {e}")))
+                    job.sink(Failed(_text(f"engine failure: {type(e).__name__}: {e}")))
                 ended = []
             self.metrics.steps.inc()
             if eng.prefix is not None:
@@ -253,18 +272,15 @@ class EngineWorker:
                 job.first_token = False
                 self.metrics.ttft.observe(time.perf_counter() - job.t_submit)
             self.metrics.generation_tokens.inc(len(ids))
-            lps = job.request.output_logprobs[-len(ids):] if job.logprobs is not None else None
-            job.sink(("tokens", list(ids), lps))
+            lps = job.request.output_logprobs[-len(ids):] if job.options.logprobs is not None else None
+            job.sink(Tokens(list(ids), lps))
         try:
-            job.request = self.engine.add_request(job.prompt_ids, job.params, job.max_new_tokens,
-                                                  stop_ids=job.stop_ids, on_tokens=on_tokens, logprobs=job.logprobs,
-                                                  prompt_logprobs=job.prompt_logprobs, min_tokens=job.min_tokens,
-                                                  grammar=job.grammar)
+            job.request = self.engine.add_request(job.prompt_ids, job.options, on_tokens=on_tokens)
         except Exception as e:      # this request alone fails (the door checks what it can)
             if not isinstance(e, DsparkError):
                 log.error("adding a request failed: %s", traceback.format_exc())
             self._forget(job)
-            job.sink(("error", _text(str(e) if isinstance(e, DsparkError) else f"{type(e).__name__}: {e}")))
+            job.sink(Failed(_text(str(e) if isinstance(e, DsparkError) else f"{type(e).__name__}: {e}")))
             return
         self._jobs[job.request.id] = job
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -276,9 +292,9 @@ class EngineWorker:
         self.metrics.latency.observe(time.perf_counter() - job.t_submit)
         if reason == "error":       # the engine ended this request alone on a failure serving it
             log.error("request %d failed: %s", job.request.id, job.request.error)
-            job.sink(("error", _text(f"request failed: {job.request.error}")))
+            job.sink(Failed(_text(f"request failed: {job.request.error}")))
         else:
-            job.sink(("end", reason))
+            job.sink(Ended(reason))
 
 
 @dataclass
@@ -409,8 +425,9 @@ class Server:
                 except DsparkError as e:
                     raise ApiError(400, str(e), param="seed" if "seed" in str(e) else None) from None
                 scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
-                job = Job(ids, params, limit, stop_ids, _no_sink, body.num_logprobs, scored, body.min_tokens,
-                          None if grammar is None else grammar_state(self.target, grammar))
+                options = RequestOptions(params, limit, stop_ids, body.num_logprobs, scored, body.min_tokens,
+                                         None if grammar is None else grammar_state(self.target, grammar))
+                job = Job(ids, options, _no_sink)
                 choices.append(_Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop), job))
         return choices
 
@@ -437,14 +454,13 @@ class Server:
                 ch = choices[i]
                 if ch.finish_reason is not None:
                     continue
-                if ev[0] == "error":
-                    raise ApiError(500, ev[1], "internal_error")
-                if ev[0] == "tokens":
-                    _, ids, lps = ev
-                    text = _decoded(ch.text.add, ids)
+                if isinstance(ev, Failed):
+                    raise ApiError(500, ev.message, "internal_error")
+                if isinstance(ev, Tokens):
+                    text = _decoded(ch.text.add, ev.ids)
                     kept = ch.text.kept            # the tokens after a stop string do not count
                     ch.tokens += kept
-                    new = [(t, *lp) for t, lp in zip(ids[:kept], lps)] if lps is not None else []
+                    new = [(t, *lp) for t, lp in zip(ev.ids[:kept], ev.logprobs)] if ev.logprobs is not None else []
                     ch.logprobs.extend(new)
                     if ch.text.stopped:
                         self.worker.cancel(ch.job)
@@ -454,7 +470,7 @@ class Server:
                     if text or new or ch.text.stopped:
                         yield ch, text, new
                 else:
-                    ch.finish_reason = "length" if ev[1] == "length" else "stop"
+                    ch.finish_reason = "length" if ev.reason == "length" else "stop"
                     live -= 1
                     self.metrics.finished.labels(finished_reason=ch.finish_reason).inc()
                     yield ch, _decoded(ch.text.finish), []
@@ -477,7 +493,7 @@ class Server:
         tokens, token_logprobs, a dict per token of the most likely ones and the sampled one, and
         each token's character offset in the text. ``whole`` with ``echo``: the prompt's tokens
         first (the first one with none), as an evaluation harness scores a text."""
-        if whole and ch.job.prompt_logprobs is not None:
+        if whole and ch.job.options.prompt_logprobs is not None:
             assert ch.job.request is not None   # its tokens came: the engine took it
             ids = ch.job.prompt_ids
             entries = ([(ids[0], None, None)] + [(t, lp, top) for t, (lp, top) in
@@ -563,7 +579,7 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
 
     if body.stream:
         async def stream():
-            scored = asked and any(ch.job.prompt_logprobs is not None for ch in choices)
+            scored = asked and any(ch.job.options.prompt_logprobs is not None for ch in choices)
             opened = set()
             try:
                 if not scored:
@@ -609,6 +625,11 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                          "finish_reason": ch.finish_reason} for ch in choices]}
 
 
+_BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+# what a completion route's 200 may carry: one JSON object, or with "stream" server-sent events
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+
+
 def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None,
                engine_thread: bool = True, max_body_mb: float = DEFAULT_MAX_BODY_MB,
                max_prompts: int = DEFAULT_MAX_PROMPTS, metrics_open: bool = False) -> FastAPI:
@@ -631,130 +652,147 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
     app.state.server = srv
     app.add_middleware(Door, api_key=api_key, max_body=int(max_body_mb * (1 << 20)), metrics_open=metrics_open)
-    bodies = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-    # what a completion route's 200 may carry: one JSON object, or with "stream" server-sent events
-    streamed: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
-
-    def openapi():
-        """FastAPI's schema with the status codes the server sends: errors are 400 (and 401, 404,
-        413, 500) in the OpenAI shape, never FastAPI's 422 with its validation-error body; the
-        request bodies the handlers parse themselves (parse_body) are the models'."""
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for path in schema.get("paths", {}).values():
-                for op in path.values():
-                    op.get("responses", {}).pop("422", None)
-                    for code, resp in op.get("responses", {}).items():
-                        if code != "200" and "content" in resp:   # an error is JSON whatever the route's 200
-                            resp["content"] = {"application/json": next(iter(resp["content"].values()))}
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                components.pop(name, None)
-            for model in bodies:
-                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(js.pop("$defs", {}))
-                components[model.__name__] = js
-            for member in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
-                if member.get("items", {}).get("type") in ("string", "array"):   # a list of prompts
-                    member["maxItems"] = srv.max_prompts
-            app.openapi_schema = schema
-        return app.openapi_schema
-    app.openapi = openapi   # type: ignore[method-assign]
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, e: ApiError):
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):   # an unknown route, a method it has not ...
-        response = ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
-                            else "internal_error").response()
-        response.headers.update(e.headers or {})    # a 405's Allow: the methods the route has (RFC 9110)
-        return response
-
-    @app.exception_handler(Exception)
-    async def _failure(request, e: Exception):     # a bug: still an OpenAI-shaped 500, and logged
-        log.error("request failed: %s", "".join(traceback.format_exception(e)))
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error").response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        msgs, params = [], []
-        for err in e.errors()[:4]:
-            loc = _param(err.get("loc", ()))
-            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-            if err.get("type") == "extra_forbidden":
-                msgs.append(f"unknown field {loc!r}")
-            elif err.get("type") == "lone_surrogate":     # a model-level check: the field is in its context
-                loc = err["ctx"]["field"]
-                msgs.append(msg)
-            else:
-                msgs.append(f"{loc}: {msg}" if loc else msg)
-            params.append(loc)
-        return ApiError(400, "; ".join(msgs) or "invalid request", param=params[0] if params and params[0] else None
-                        ).response()     # a check of the whole body (loc ()) names no field
-
+    app.openapi = lambda: _openapi(app)   # type: ignore[method-assign]
+    app.exception_handler(ApiError)(_api_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(Exception)(_failure)
+    app.exception_handler(RequestValidationError)(_invalid)
     # the request bodies are parsed, and prompts tokenised, in worker threads: a body of some MB
     # takes seconds to parse and tokenise, which on the event loop would hold up every other request
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/metrics", responses=errors(401), response_class=PlainTextResponse)
-    async def metrics():
-        return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", responses=errors(401))
-    async def models():
-        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
-                                            "owned_by": "dspark", "max_model_len": engine.cache.max_len}]}
-
-    def tokenized(body: TokenizeRequest) -> dict:
-        srv.check(body)
-        if body.prompt is not None:
-            ids = srv.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
-        else:
-            assert body.messages is not None   # TokenizeRequest has exactly one of prompt, messages
-            ids = srv.chat_ids(chat_messages(body.messages), body.add_generation_prompt, bool(body.add_special_tokens))
-        strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.cache.max_len, "tokens": ids, "token_strs": strs}
-
-    @app.post("/tokenize", responses=errors(400, 401, 404, 413, 500), openapi_extra=json_body(TokenizeRequest))
-    async def tokenize(request: Request):
-        return await run_in_threadpool(tokenized, await parse_body(request, TokenizeRequest))
-
-    def detokenized(body: DetokenizeRequest) -> dict:
-        srv.check(body)
-        srv.prompt_ids(body.tokens)     # the ids are checked against the vocabulary
-        return {"prompt": srv.tokenizer.decode(body.tokens)}
-
-    @app.post("/detokenize", responses=errors(400, 401, 404, 413, 500), openapi_extra=json_body(DetokenizeRequest))
-    async def detokenize(request: Request):
-        return await run_in_threadpool(detokenized, await parse_body(request, DetokenizeRequest))
-
-    @app.post("/v1/completions", responses={**streamed, **errors(400, 401, 404, 413, 500)},
-              openapi_extra=json_body(CompletionRequest))
-    async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest)
-        choices, echo = await run_in_threadpool(srv.completion_choices, body)
-        return await _respond(srv, body, request, choices, srv.start(choices), "cmpl", "text_completion",
-                              "text_completion", delta=lambda text: {"text": text},
-                              opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
-                              whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output},
-                              logprobs=srv.completion_logprobs)
-
-    @app.post("/v1/chat/completions", responses={**streamed, **errors(400, 401, 404, 413, 500)},
-              openapi_extra=json_body(ChatCompletionRequest))
-    async def chat_completions(request: Request):
-        body = await parse_body(request, ChatCompletionRequest)
-        choices = await run_in_threadpool(srv.chat_choices, body)
-        return await _respond(srv, body, request, choices, srv.start(choices), "chatcmpl", "chat.completion",
-                              "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
-                              opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],
-                              whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}},
-                              logprobs=srv.chat_logprobs)
-
+    app.get("/health")(health)
+    app.get("/metrics", responses=errors(401), response_class=PlainTextResponse)(metrics)
+    app.get("/v1/models", responses=errors(401))(models)
+    for path, route, model, extra in (("/tokenize", tokenize, TokenizeRequest, {}),
+                                      ("/detokenize", detokenize, DetokenizeRequest, {}),
+                                      ("/v1/completions", completions, CompletionRequest, _STREAMED),
+                                      ("/v1/chat/completions", chat_completions, ChatCompletionRequest, _STREAMED)):
+        app.post(path, responses={**extra, **errors(400, 401, 404, 413, 500)}, openapi_extra=json_body(model))(route)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema with the status codes the server sends: errors are 400 (and 401, 404,
+    413, 500) in the OpenAI shape, never FastAPI's 422 with its validation-error body; the
+    request bodies the handlers parse themselves (parse_body) are the models'."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+                for code, resp in op.get("responses", {}).items():
+                    if code != "200" and "content" in resp:   # an error is JSON whatever the route's 200
+                        resp["content"] = {"application/json": next(iter(resp["content"].values()))}
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in _BODIES:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        for member in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+            if member.get("items", {}).get("type") in ("string", "array"):   # a list of prompts
+                member["maxItems"] = app.state.server.max_prompts
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _api_error(request, e: ApiError):
+    return e.response()
+
+
+async def _http_error(request, e: StarletteHTTPException):   # an unknown route, a method it has not ...
+    response = ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                        else "internal_error").response()
+    response.headers.update(e.headers or {})    # a 405's Allow: the methods the route has (RFC 9110)
+    return response
+
+
+async def _failure(request, e: Exception):     # a bug: still an OpenAI-shaped 500, and logged
+    log.error("request failed: %s", "".join(traceback.format_exception(e)))
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error").response()
+
+
+async def _invalid(request, e: RequestValidationError):
+    msgs, params = [], []
+    for err in e.errors()[:4]:
+        loc = _param(err.get("loc", ()))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msgs.append(f"unknown field {loc!r}")
+        elif err.get("type") == "lone_surrogate":     # a model-level check: the field is in its context
+            loc = err["ctx"]["field"]
+            msgs.append(msg)
+        else:
+            msgs.append(f"{loc}: {msg}" if loc else msg)
+        params.append(loc)
+    return ApiError(400, "; ".join(msgs) or "invalid request", param=params[0] if params and params[0] else None
+                    ).response()     # a check of the whole body (loc ()) names no field
+
+
+# ---------------------------------------------------------------------------------------------- routes
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+async def health():
+    return {"status": "ok"}
+
+
+async def metrics(request: Request):
+    return Response(generate_latest(_server(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request):
+    srv = _server(request)
+    return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
+                                        "owned_by": "dspark", "max_model_len": srv.engine.cache.max_len}]}
+
+
+def _tokenized(srv: Server, body: TokenizeRequest) -> dict:
+    srv.check(body)
+    if body.prompt is not None:
+        ids = srv.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
+    else:
+        assert body.messages is not None   # TokenizeRequest has exactly one of prompt, messages
+        ids = srv.chat_ids(chat_messages(body.messages), body.add_generation_prompt, bool(body.add_special_tokens))
+    strs = srv.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": srv.engine.cache.max_len, "tokens": ids, "token_strs": strs}
+
+
+async def tokenize(request: Request):
+    return await run_in_threadpool(_tokenized, _server(request), await parse_body(request, TokenizeRequest))
+
+
+def _detokenized(srv: Server, body: DetokenizeRequest) -> dict:
+    srv.check(body)
+    srv.prompt_ids(body.tokens)     # the ids are checked against the vocabulary
+    return {"prompt": srv.tokenizer.decode(body.tokens)}
+
+
+async def detokenize(request: Request):
+    return await run_in_threadpool(_detokenized, _server(request), await parse_body(request, DetokenizeRequest))
+
+
+async def completions(request: Request):
+    srv = _server(request)
+    body = await parse_body(request, CompletionRequest)
+    choices, echo = await run_in_threadpool(srv.completion_choices, body)
+    return await _respond(srv, body, request, choices, srv.start(choices), "cmpl", "text_completion",
+                          "text_completion", delta=lambda text: {"text": text},
+                          opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
+                          whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output},
+                          logprobs=srv.completion_logprobs)
+
+
+async def chat_completions(request: Request):
+    srv = _server(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    choices = await run_in_threadpool(srv.chat_choices, body)
+    return await _respond(srv, body, request, choices, srv.start(choices), "chatcmpl", "chat.completion",
+                          "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
+                          opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],
+                          whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}},
+                          logprobs=srv.chat_logprobs)
 
 
 @contextmanager

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.drafters import DraftLMDrafter, NgramDrafter
-from dspark.engine import Engine
+from dspark.engine import Engine, RequestOptions
 from dspark.errors import UsageError
 from dspark.evaluation.identity import first_divergence, top2_gap
 from dspark.generation import generate_ids
@@ -254,3 +254,27 @@ def test_drafter_and_policy_variants_keep_greedy_output(drafter, policy):
     engine.run()
     assert [r.output_ids for r in reqs] == plain
     assert sum(r.stats.num_draft_tokens for r in reqs) > 0
+
+
+def test_request_options_are_one_type_whichever_way_they_are_given():
+    """add_request takes a RequestOptions, or the sampling settings with max_new_tokens and any other
+    option as a keyword: the same request either way; both at once is refused."""
+    target = _tiny(0, vocab=11)
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def run(add):
+        engine = Engine(target, NgramDrafter(block_size=3), max_requests=1, max_len=64, eos_ids=(3,))
+        r = add(engine)
+        engine.run()
+        return r
+    a = run(lambda e: e.add_request([1, 2, 3, 1, 2], params, 12, logprobs=2, min_tokens=4))
+    b = run(lambda e: e.add_request([1, 2, 3, 1, 2], RequestOptions(params, 12, logprobs=2, min_tokens=4)))
+    assert a.options == b.options and a.stop_ids == frozenset({3}) == b.options.stop_ids   # the engine's eos
+    assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs and len(a.output_ids) >= 4
+    engine = Engine(target, max_requests=1, max_len=64)
+    with pytest.raises(UsageError, match="no other option"):
+        engine.add_request([1], RequestOptions(params, 4), logprobs=2)
+    with pytest.raises(UsageError, match="max-new-tokens"):
+        engine.add_request([1], params)
+    with pytest.raises(UsageError, match="min_tokens"):
+        engine.add_request([1], RequestOptions(params, 4, min_tokens=-1))

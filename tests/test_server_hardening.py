@@ -139,10 +139,10 @@ def test_a_request_the_engine_cannot_admit_fails_alone(server, monkeypatch):
     url, srv = server
     real = srv.engine.add_request
 
-    def add(prompt_ids, params, *a, **k):
-        if params.seed == 666:
+    def add(prompt_ids, options, *a, **k):
+        if options.params.seed == 666:
             raise RuntimeError("Overflow when unpacking long long")
-        return real(prompt_ids, params, *a, **k)
+        return real(prompt_ids, options, *a, **k)
     monkeypatch.setattr(srv.engine, "add_request", add)
     status, out = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 666})
     assert status == 500 and "Overflow" in out["error"]["message"], out
@@ -400,3 +400,30 @@ def test_grammar_check_refuses_what_the_matcher_cannot_serve(tiny):
     for kind, value in (("regex", "(a{100}){100}"), ("choice", ["yes", "no"]),
                         ("json", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})):
         check(tiny, GrammarSpec(kind, value).compile(), kind)
+
+
+def test_a_job_receives_typed_events(tiny):
+    """The engine thread tells a job what happened with dataclasses: Tokens (with their log
+    probabilities when asked), then Ended with the finish reason, or Failed with a message."""
+    from dspark.engine import RequestOptions
+    from dspark.server import Ended, Failed, Job, Tokens
+    srv = dspark.server.Server(tiny, Engine(tiny.model, NgramDrafter(block_size=3), max_requests=2, max_len=64),
+                               "tiny")
+    events: dict[int, list] = {0: [], 1: []}
+    greedy = SamplingParams(temperature=0)
+    ok = Job([5, 6, 7], RequestOptions(greedy, 6, frozenset(), logprobs=1), events[0].append)
+    bad = Job([5, 6, 7], RequestOptions(greedy, 6, frozenset({10 ** 6})), events[1].append)   # no such stop token
+    srv.worker.start()
+    try:
+        srv.worker.submit(ok)
+        srv.worker.submit(bad)
+        for _ in range(600):
+            if events[0] and isinstance(events[0][-1], Ended) and events[1]:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        srv.worker.close()
+    *tokens, end = events[0]
+    assert tokens and all(isinstance(t, Tokens) and len(t.logprobs) == len(t.ids) for t in tokens)
+    assert sum(len(t.ids) for t in tokens) == 6 and end == Ended("length")
+    assert len(events[1]) == 1 and isinstance(events[1][0], Failed) and "stop token ids" in events[1][0].message

@@ -93,7 +93,7 @@ def _bar(total, progress, unit="prompt"):
 def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, log, *,
            max_new_tokens, temperature, top_p, top_k, seed, progress) -> dict:
     from ..api import encode_prompt
-    from ..engine import Engine
+    from ..engine import Engine, RequestOptions
     from ..runtime.loading import load_target
     from ..scheduling.policies import PlainPolicy
 
@@ -114,7 +114,7 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
                 continue
             params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                     seed=request_seed(seed, row["id"]))
-            req = engine.add_request(ids, params, max_new_tokens)
+            req = engine.add_request(ids, RequestOptions(params, max_new_tokens))
             meta[req.id] = (row, ids)
         for req in engine.step():
             row, ids = meta.pop(req.id)
