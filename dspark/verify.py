@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, _inverse_cdf, probs_from_logits, sample
+from .sampling import SamplingParams, probs_from_logits, sample
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -104,13 +104,16 @@ class VerifyBatch:
     greedy: temperature 0 (its target rows are scores: only their argmax counts);
     point_mass: drafts without probabilities (``verify``'s None: a lookup's, a grammar's forced
         tokens); a sampled request that has them has its l_r rows in ``draft_probs``;
-    generators: each request's random stream (None: torch's default one, as for ``verify``).
+    generators: each request's random stream (None: torch's default one, as for ``verify``);
+    q_rows: the row of ``draft_probs`` of each draft that has one (those requests' drafts in order);
+        None: their rows in order, one after the other.
     """
 
     lengths: list[int]
     greedy: list[bool]
     point_mass: list[bool]
     generators: list[torch.Generator | None]
+    q_rows: list[int] | None = None
 
     def __post_init__(self):
         if not len(self.lengths) == len(self.greedy) == len(self.point_mass) == len(self.generators):
@@ -119,8 +122,8 @@ class VerifyBatch:
 
 def target_rows(target_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """A request's rows of ``verify_batch``'s target: its probabilities after the sampling settings
-    (``probs_from_logits``, as ``verify`` computes them), or its logits in fp32 when greedy."""
-    return target_logits.float() if params.greedy else probs_from_logits(target_logits, params)
+    (``probs_from_logits``, as ``verify`` computes them), or its logits as they are when greedy."""
+    return target_logits if params.greedy else probs_from_logits(target_logits, params)
 
 
 Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool, torch.Generator | None]
@@ -128,17 +131,22 @@ Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool, torch.Gener
 
 def stack_requests(blocks: Sequence[Block]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, VerifyBatch]:
     """``verify_batch``'s arguments from each request's (draft tokens [l], draft probabilities [l, V]
-    or None, target rows [l + 1, V] from ``target_rows``, greedy, generator), concatenated on the
-    target rows' device (a greedy request's draft probabilities are never used: left out)."""
+    or None, target rows [l + 1, V] from ``target_rows``, greedy, generator), on the target rows'
+    device (a greedy request's draft probabilities are never used: left out). Rows that are
+    consecutive in one tensor are taken as they lie, without a copy."""
     if not blocks:
         return torch.empty(0, dtype=torch.long), None, torch.empty(0, 0), VerifyBatch([], [], [], [])
-    dev = blocks[0][2].device
-    probs = [q for _, q, _, greedy, _ in blocks if q is not None and not greedy]
-    return (torch.cat([x.reshape(-1).long() for x, *_ in blocks]),
-            torch.cat([q.to(dev) for q in probs]) if probs else None,
-            torch.cat([rows for _, _, rows, _, _ in blocks]),
-            VerifyBatch([x.shape[0] for x, *_ in blocks], [bl[3] for bl in blocks], [bl[1] is None for bl in blocks],
-                        [bl[4] for bl in blocks]))
+    return _stack([bl[0] for bl in blocks], [bl[1] for bl in blocks], _concat([bl[2] for bl in blocks]),
+                  [bl[3] for bl in blocks], [bl[4] for bl in blocks])
+
+
+def _stack(drafts, probs, target, greedy, generators) -> tuple:
+    dev = target.device
+    parts = [q for x, q, gr in zip(drafts, probs, greedy) if q is not None and not gr and x.shape[0]]
+    base, q_rows = _rows(parts) if parts else (None, None)
+    return (torch.cat([_to(x.reshape(-1).long(), dev) for x in drafts]), None if base is None else _to(base, dev),
+            target, VerifyBatch([x.shape[0] for x in drafts], list(greedy), [q is None for q in probs],
+                                list(generators), q_rows))
 
 
 def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target: torch.Tensor,
@@ -146,31 +154,92 @@ def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
     """``verify`` for every request of a step at once, with one host synchronisation in all.
 
     draft_tokens [D] long: every request's drafts, concatenated (D = sum of the l_r);
-    draft_probs [D_q, V] or None: the drafts' probabilities of the sampled requests that have them
-        (neither greedy nor point_mass), concatenated;
-    target [D + B, V] fp32: each request's l_r + 1 rows (``target_rows``: its processed
-        probabilities, or its logits when greedy), concatenated. ``stack_requests`` builds them.
+    draft_probs [N, V] or None: the rows (``batch.q_rows``) of the drafts' probabilities of the
+        sampled requests that have them (neither greedy nor point_mass);
+    target [D + B, V]: each request's l_r + 1 rows (``target_rows``: its processed probabilities
+        (fp32), or its logits when greedy), concatenated. ``stack_requests`` builds them.
 
     Returns per request (n accepted drafts, the token emitted after them): exactly ``verify``'s
-    answer from the same generator states, and the states are left as ``verify`` leaves them. Each
-    request's uniforms come from its own generator by the very calls ``verify`` makes: rand(l) for
-    the acceptance tests, then one rand(1) for the residual or bonus token; a point-mass request's
-    rand(1) for each of its l + 1 target draws, after which its generator is set back to where it
-    stood after the n + 1 that ``verify`` draws. The arithmetic is ``verify``'s, row by row. None
-    for a request whose target rows (or draft probabilities used) hold a NaN: its law is broken
-    (``verify`` would emit an arbitrary token). A point-mass request with drafts needs a generator
-    of its own (not None, not another request's in the batch), since it is set back afterwards.
+    answer from the same generator states, and the states are left as ``verify`` leaves them (see
+    ``_plan``). The arithmetic is ``verify``'s, row by row. None for a request where a value the
+    verification reads is NaN (a row's argmax or its drawn total, a draft's probabilities, the
+    residual): its law is broken (``verify`` would emit an arbitrary token); a NaN logit makes
+    its whole row NaN once a softmax has run over it, so every broken sampled row is seen.
     """
-    lengths, b = batch.lengths, len(batch.lengths)
+    lengths, b, d = batch.lengths, len(batch.lengths), sum(batch.lengths)
     if not b:
         return []
-    dev = target.device
-    d = sum(lengths)
     if draft_tokens.shape[0] != d or target.shape[0] != d + b:
         raise ValueError(f"need {d} draft tokens and {d + b} target rows for drafts of lengths {lengths}, "
                          f"got {draft_tokens.shape[0]} and {target.shape[0]}")
+    dev = target.device
+    idx, u, rewind = _plan(batch, dev)
+    if idx["q_reqs"] and (draft_probs is None or len(idx["q_rows"]) != len(idx["q_drafts"])
+                          or max(idx["q_rows"]) >= draft_probs.shape[0]):
+        raise ValueError(f"need {len(idx['q_drafts'])} rows of draft probabilities, got "
+                         f"{0 if draft_probs is None else draft_probs.shape[0]}")
+    flat = torch.tensor([*itertools.chain(*idx.values()), *lengths], dtype=torch.long)
+    t = dict(zip([*idx, "lengths"], _to(flat, dev).split([*map(len, idx.values()), b])))
+    x, lengths_t = _to(draft_tokens.long(), dev), t["lengths"]
+    row_of = torch.arange(d, device=dev) + t["draft_req"]        # draft j of request i: target row j + i
+    y = torch.zeros(d + b, dtype=torch.long, device=dev)          # the target's own token (greedy, point mass)
+    nan = torch.zeros(d + b, dtype=torch.bool, device=dev)
+    if idx["argmax"]:
+        scores = _select(target, t["argmax"])
+        best = scores.argmax(-1)        # a NaN counts as the largest: the score there is NaN
+        y.index_copy_(0, t["argmax"], best)
+        nan.index_copy_(0, t["argmax"], scores.gather(1, best[:, None])[:, 0].isnan())
+    if idx["drawn"]:
+        drawn, total = _draw(_select(target, t["drawn"]), _to(torch.cat(u["drawn"]), dev))
+        y.index_copy_(0, t["drawn"], drawn)
+        nan.index_copy_(0, t["drawn"], total.isnan())
+    accept = x == y[row_of]
+    bad = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, t["row_req"], nan.long())
+    if idx["q_reqs"]:
+        assert draft_probs is not None
+        xq = x[t["q_drafts"]]
+        p_x, q_x = target[row_of[t["q_drafts"]], xq], draft_probs[t["q_rows"], xq].float()
+        accept.index_copy_(0, t["q_drafts"], ~(torch.cat(u["accept"]) * q_x >= p_x))
+        bad.index_add_(0, t["draft_req"][t["q_drafts"]], (p_x.isnan() | q_x.isnan()).long())
+    stop = torch.where(accept, lengths_t[t["draft_req"]], t["draft_pos"])   # a block stops at its first rejection
+    n = lengths_t.clone().scatter_reduce_(0, t["draft_req"], stop, "amin")
+    token = y[t["first_row"] + n]
+    if idx["q_reqs"]:
+        assert draft_probs is not None
+        _residual_tokens(target, draft_probs, t, n, _to(torch.cat(u["final"]), dev), token, bad)
+    n_host, token_host, bad_host = torch.stack([n, token, bad]).tolist()    # the one synchronisation
+    for i, g, states in rewind:
+        if n_host[i] < lengths[i]:
+            g.set_state(states[n_host[i]])
+    return [None if bad_host[i] else (n_host[i], token_host[i]) for i in range(b)]
+
+
+def _residual_tokens(target: torch.Tensor, draft_probs: torch.Tensor, t: dict[str, torch.Tensor], n: torch.Tensor,
+                     u: torch.Tensor, token: torch.Tensor, bad: torch.Tensor) -> None:
+    """The token of each request verified against draft probabilities, into ``token``: drawn from
+    the residual norm(max(0, p_n - q_n)) at its rejection, or from p where all were accepted or the
+    residual has no mass (p == q there); a NaN read counts in ``bad``."""
+    q_reqs = t["q_reqs"]
+    nq, lq = n[q_reqs], t["lengths"][q_reqs]
+    p = target.index_select(0, t["first_row"][q_reqs] + nq)
+    # the draft probabilities at the rejection (row l - 1 where all are accepted: not used)
+    q = draft_probs.index_select(0, t["q_rows"][t["q_first"] + torch.minimum(nq, lq - 1)]).float()
+    residual = (p - q).clamp_min_(0.0)
+    mass = residual.sum(-1)
+    use_p = (nq == lq) | (mass.double() <= 1e-12)   # all accepted, or p == q there
+    drawn, total = _draw(torch.where(use_p[:, None], p, residual), u)
+    token.index_copy_(0, q_reqs, drawn)
+    bad.index_add_(0, q_reqs, (mass.isnan() | total.isnan()).long())
+
+
+def _plan(batch: VerifyBatch, dev: torch.device) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], list]:
+    """``verify_batch``'s host part: where each request's rows are, and its uniforms, drawn from its
+    own generator by the very calls ``verify`` makes: rand(l) for the acceptance tests, then one
+    rand(1) for the residual or bonus token; a point-mass request's rand(1) for each of its l + 1
+    target draws, after which ``verify_batch`` sets its generator back to where it stood after the
+    n + 1 that ``verify`` draws (the states to set back to are in the third part). A point-mass
+    request with drafts needs a generator of its own (not None, not another's in the batch)."""
     users = Counter(id(g) for g, greedy in zip(batch.generators, batch.greedy) if not greedy)
-    # the host's part: where each request's rows are, and its uniforms, drawn in verify's order
     idx: dict[str, list[int]] = {k: [] for k in (
         "draft_req",    # per draft: its request
         "draft_pos",    # per draft: its position in its block
@@ -181,13 +250,11 @@ def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
         "q_drafts",     # drafts accepted with probability min(1, p(x) / q(x))
         "q_rows",       # their rows of draft_probs
         "q_reqs",       # their requests
-        "q_first")}     # the requests' first rows of draft_probs
-    u_drawn: list[torch.Tensor] = []
-    u_accept: list[torch.Tensor] = []
-    u_final: list[torch.Tensor] = []
+        "q_first")}     # the requests' first drafts among q_drafts
+    u: dict[str, list[torch.Tensor]] = {"drawn": [], "accept": [], "final": []}
     rewind = []        # (point-mass request, its generator, its states after 1 .. l draws)
-    row = q_row = 0
-    for i, (l, greedy, pm, g) in enumerate(zip(lengths, batch.greedy, batch.point_mass, batch.generators)):
+    row = 0
+    for i, (l, greedy, pm, g) in enumerate(zip(batch.lengths, batch.greedy, batch.point_mass, batch.generators)):
         idx["draft_req"] += [i] * l
         idx["draft_pos"] += range(l)
         idx["row_req"] += [i] * (l + 1)
@@ -201,62 +268,53 @@ def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
                     raise ValueError("a point-mass request with drafts needs a generator of its own in the batch")
                 states = []
                 for _ in range(l):
-                    u_drawn.append(torch.rand(1, generator=g, device=g.device))
+                    u["drawn"].append(torch.rand(1, generator=g, device=g.device))
                     states.append(g.get_state())
                 rewind.append((i, g, states))
-            u_drawn.append(torch.rand(1, generator=g, device=_device(g)))
+            u["drawn"].append(torch.rand(1, generator=g, device=_device(g)))
         else:
+            idx["q_first"].append(len(idx["q_drafts"]))
             idx["q_drafts"] += range(row - i, row - i + l)
-            idx["q_rows"] += range(q_row, q_row + l)
             idx["q_reqs"].append(i)
-            idx["q_first"].append(q_row)
-            q_row += l
-            u_accept.append(torch.rand(l, generator=g, device=dev))
-            u_final.append(torch.rand(1, generator=g, device=_device(g)))
+            u["accept"].append(torch.rand(l, generator=g, device=dev))
+            u["final"].append(torch.rand(1, generator=g, device=_device(g)))
         row += l + 1
-    if idx["q_reqs"] and (draft_probs is None or draft_probs.shape[0] != q_row):
-        raise ValueError(f"need {q_row} rows of draft probabilities, got "
-                         f"{0 if draft_probs is None else draft_probs.shape[0]}")
-    flat = torch.tensor([*itertools.chain(*idx.values()), *lengths], dtype=torch.long)
-    t = dict(zip([*idx, "lengths"], _to(flat, dev).split([*map(len, idx.values()), b])))
-    x = _to(draft_tokens.long(), dev)
-    row_of = torch.arange(d, device=dev) + t["draft_req"]        # draft j of request i: target row j + i
-    lengths_t = t["lengths"]
-    # the target's own token at the rows of the greedy and point-mass requests
-    y = torch.zeros(d + b, dtype=torch.long, device=dev)
-    if idx["argmax"]:
-        y.index_copy_(0, t["argmax"], _select(target, t["argmax"]).argmax(-1))
-    if idx["drawn"]:
-        y.index_copy_(0, t["drawn"], _inverse_cdf(_select(target, t["drawn"]), _to(torch.cat(u_drawn), dev)))
-    accept = x == y[row_of]
-    nan = target.sum(-1).isnan().long()     # a NaN anywhere in a row makes its sum NaN
-    bad = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, t["row_req"], nan)
-    q_reqs = t["q_reqs"]
-    if idx["q_reqs"]:
-        assert draft_probs is not None
-        xq = x[t["q_drafts"]]
-        p_x = target[row_of[t["q_drafts"]], xq]
-        q_x = draft_probs[t["q_rows"], xq].float()
-        accept.index_copy_(0, t["q_drafts"], ~(torch.cat(u_accept) * q_x >= p_x))
-        bad.index_add_(0, t["draft_req"][t["q_drafts"]], torch.isnan(q_x).long())
-    stop = torch.where(accept, lengths_t[t["draft_req"]], t["draft_pos"])   # a block stops at its first rejection
-    n = lengths_t.clone().scatter_reduce_(0, t["draft_req"], stop, "amin")
-    token = y[t["first_row"] + n]
-    if idx["q_reqs"]:
-        assert draft_probs is not None
-        nq, lq = n[q_reqs], lengths_t[q_reqs]
-        p = target.index_select(0, t["first_row"][q_reqs] + nq)
-        # the draft probabilities at the rejection (row l - 1 where all are accepted: not used)
-        q = draft_probs.index_select(0, t["q_first"] + torch.minimum(nq, lq - 1)).float()
-        residual = (p - q).clamp_min_(0.0)
-        use_p = (nq == lq) | (residual.sum(-1).double() <= 1e-12)   # all accepted, or p == q there
-        token.index_copy_(0, q_reqs, _inverse_cdf(torch.where(use_p[:, None], p, residual), _to(torch.cat(u_final), dev)))
-        bad.index_add_(0, q_reqs, q.sum(-1).isnan().long())
-    n_host, token_host, bad_host = torch.stack([n, token, bad]).tolist()    # the one synchronisation
-    for i, g, states in rewind:
-        if n_host[i] < lengths[i]:
-            g.set_state(states[n_host[i]])
-    return [None if bad_host[i] else (n_host[i], token_host[i]) for i in range(b)]
+    idx["q_rows"] = list(range(len(idx["q_drafts"]))) if batch.q_rows is None else list(batch.q_rows)
+    return idx, u, rewind
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampling._inverse_cdf's token per row, the row's total: NaN where the row holds a NaN), by
+    _inverse_cdf's very arithmetic."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    idx = torch.searchsorted(cdf, (u.double() * total).unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1), total
+
+
+def _rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The rows of ``parts`` ([n_i, V] each) as (one tensor, the index there of each part's rows, in
+    order): where every part is rows of one tensor's memory (views of a drafter's output), that
+    memory's rows as they lie (no copy), else the parts concatenated."""
+    first = parts[0]
+    width = first.shape[-1]
+    ptr = first.untyped_storage().data_ptr()
+    offsets = [p.storage_offset() for p in parts]
+    low = min(offsets)
+    if all(p.dim() == 2 and p.shape[1] == width and p.dtype == first.dtype and p.device == first.device
+           and p.stride(1) == 1 and (p.stride(0) == width or p.shape[0] == 1)
+           and p.untyped_storage().data_ptr() == ptr and (o - low) % width == 0 for p, o in zip(parts, offsets)):
+        n = max((o - low) // width + p.shape[0] for p, o in zip(parts, offsets))
+        return (first.as_strided((n, width), (width, 1), low),
+                [(o - low) // width + k for p, o in zip(parts, offsets) for k in range(p.shape[0])])
+    return torch.cat(parts), list(range(sum(p.shape[0] for p in parts)))
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along rows, or, where they are consecutive rows of one tensor, a view of
+    them (no copy)."""
+    base, rows = _rows(parts)
+    return base if rows == list(range(base.shape[0])) else torch.cat(parts)
 
 
 def _select(target: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

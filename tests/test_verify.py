@@ -193,6 +193,9 @@ def test_batched_verification_equals_the_per_request_one_bit_for_bit():
     for step in range(300):
         vocab = rng.choice([3, 5, 40])
         cases = [_case(rng, vocab, g) for _ in range(rng.randrange(1, 7))]
+        if step % 2:    # every request's rows consecutive in one tensor, as the engine's logits are
+            rows = torch.cat([c[2] for c in cases]).split([c[2].shape[0] for c in cases])
+            cases = [(x, q, r, params, kind) for (x, q, _, params, kind), r in zip(cases, rows)]
         mine = [torch.Generator().manual_seed(1000 * step + i) for i in range(len(cases))]
         ref = [torch.Generator().manual_seed(1000 * step + i) for i in range(len(cases))]
         want = [verify(x, q, logits, params, r) for (x, q, logits, params, _), r in zip(cases, ref)]
@@ -206,6 +209,19 @@ def test_batched_verification_equals_the_per_request_one_bit_for_bit():
     for kind in ("greedy", "probs", "point mass"):
         assert {(kind, False, False), (kind, False, True), (kind, True, True)} <= seen, kind
     assert ("zero residual", False, False) in seen
+
+
+def test_stacked_rows_consecutive_in_one_tensor_are_not_copied():
+    logits = torch.randn(9, 5)
+    blocks = [(torch.tensor([1, 2]), None, logits[:3], True, None), (torch.tensor([3]), None, logits[3:5], True, None)]
+    target = stack_requests(blocks)[2]
+    assert torch.equal(target, logits[:5]) and target.data_ptr() == logits.data_ptr()
+    apart = stack_requests([blocks[0], (torch.tensor([3]), None, logits[4:6], True, None)])[2]
+    assert torch.equal(apart, torch.cat([logits[:3], logits[4:6]])) and apart.data_ptr() != logits.data_ptr()
+    q = torch.rand(2, 4, 5)      # a drafter's [requests, block, V] output, each request's first rows taken
+    _, probs, _, batch = stack_requests([(torch.tensor([1, 2]), q[0, :2], torch.rand(3, 5), False, None),
+                                         (torch.tensor([3]), q[1, :1], torch.rand(2, 5), False, None)])
+    assert probs is not None and probs.data_ptr() == q.data_ptr() and batch.q_rows == [0, 1, 4]
 
 
 def test_batched_verification_fails_a_request_whose_law_holds_nan_alone():
