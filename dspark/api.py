@@ -99,9 +99,9 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     ``max_concurrency`` requests share every target forward (the engine's continuous batching; the
     rest wait their turn), each output distributed exactly as the target's own sampling. With a
     seed, prompt i samples with seed + i (as the server's choices do). ``policy``: how many drafted
-    tokens each request verifies per step: "auto" (the load-aware prefix policy where `dspark
-    profile` has measured a cost table for this target and drafter, else the whole block, as
-    `dspark serve` does) or any policy name. ``prefix_caching``: a prompt reuses the cached entries of
+    tokens each request verifies per step: "auto" (the load-aware prefix policy, on `dspark
+    profile`'s cost table where one exists, else on step costs learned as it runs, as `dspark
+    serve` does) or any policy name. ``prefix_caching``: a prompt reuses the cached entries of
     its start that an earlier or running prompt computed (as `dspark serve`; the output's law is the
     same). ``structured``: every output matches it (as for generate). Results come in the order
     of ``prompts``."""

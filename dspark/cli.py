@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-draft", type=_non_negative_int, default=None,
                     help="tokens drafted per round (default: the drafter's block size)")
     sv.add_argument("--policy", default="auto",
-                    help="verification policy: auto (prefix where `dspark profile` measured a cost table for "
-                         "this target and drafter, else fixed), plain, fixed, mtp1, threshold-X, ema, prefix, async")
+                    help="verification policy: auto (prefix, on the cost table `dspark profile` measured where "
+                         "there is one, else on step costs it learns from its first steps and keeps per "
+                         "machine), plain, fixed, mtp1, threshold-X, ema, prefix, async")
     sv.add_argument("--max-requests", type=_positive_int, default=16,
                     help="requests decoded together (the rest wait in a queue)")
     sv.add_argument("--max-len", type=_positive_int, default=2048,
@@ -217,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--concurrency", type=_int_list(1), default="1,2,4,8,16,32")
     c.add_argument("--policies", default="plain,mtp1,fixed",
                    help="comma list of plain, mtp1, fixed, threshold[-X], ema, prefix (Algorithm 1), "
-                        "async; NAME-padded runs NAME on a padded layout")
+                        "async, auto (what `dspark serve` runs: prefix, on the profile's cost table or on "
+                        "step costs learned as it runs); NAME-padded runs NAME on a padded layout")
+    c.add_argument("--fresh-costs", action="store_true",
+                   help="auto starts as on a new machine: no profile table, nothing learned before")
     c.add_argument("--block", type=_non_negative_int, default=7,
                    help="block of the fixed policy (drafted tokens)")
     c.add_argument("--drafter", default="ngram")

@@ -185,6 +185,7 @@ class Engine:
         self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
         self._decode_only = False   # the step running decodes without prefilling (its time prices a decoding step)
         self._outcomes: list[RequestOutcome] = []   # the step's verified blocks, for the policy
+        self._timed: list = [0, 0.0, 0.0]           # the step's forward rows and seconds, drafter seconds
         self._left: list[int] = []  # ids of requests released since the policy was last told
         self.isolate_failures = isolate_failures   # a failure serving one request ends it alone (see above)
 
@@ -311,6 +312,7 @@ class Engine:
         t0 = time.perf_counter()
         self._decode_only = False
         self._outcomes = []
+        self._timed = [0, 0.0, 0.0]
         try:
             return self._step()
         finally:
@@ -321,7 +323,9 @@ class Engine:
     def _observe(self, seconds: float) -> None:
         """Hand the policy the step's outcome: per request its block as verified, the step's time,
         and the requests released since the last step (ended, cancelled or failed)."""
-        outcome = StepOutcome(tuple(self._outcomes), seconds, self._decode_only, tuple(self._left))
+        rows, forward, draft = self._timed
+        outcome = StepOutcome(tuple(self._outcomes), seconds, self._decode_only, tuple(self._left),
+                              forward_rows=rows, forward_seconds=forward, draft_seconds=draft)
         self._outcomes, self._left = [], []
         self.policy.observe(outcome)
 
@@ -345,7 +349,9 @@ class Engine:
         if not batch.ids:
             return ended
         self._decode_only = bool(decode) and not batch.chunks
+        t0 = time.perf_counter()
         logits, feats = self._forward(batch)
+        self._timed[:2] = [len(batch.ids), time.perf_counter() - t0]
         blocks = self._blocks(logits, proposals)
         verdicts = self._verify(decode, proposals, blocks)
         for i, (r, verdict) in enumerate(zip(decode, verdicts)):
@@ -532,7 +538,9 @@ class Engine:
             if ctxs[i].num_draft > 0:
                 active.append(i)
         if active:
+            t0 = time.perf_counter()
             got = self._propose([decode[i] for i in active])
+            self._timed[2] = time.perf_counter() - t0
             for i, p in zip(active, got):
                 proposals[i] = p.truncate(ctxs[i].num_draft)
         t0 = time.perf_counter()
@@ -622,22 +630,19 @@ class Engine:
             self.step()
 
 
-def serving_policy(target, drafter, name: str):
-    """(a fresh policy, the cost table it prices with) for --policy ``name``: "auto" = prefix where
-    `dspark profile` has measured a cost table for this target and drafter, else the whole block."""
-    from .scheduling.policies import make_policy
-    from .scheduling.costs import CostTable, table_key_for
-    table = CostTable.find(table_key_for(target, drafter)) if drafter.name != "plain" else None
-    if name == "auto":
-        name = "prefix" if table is not None else "fixed"
-    return make_policy(name, drafter.block_size, cost_table=table), table
+def serving_policy(target, drafter, name: str, max_requests: int = 32):
+    """(a fresh policy, the `dspark profile` cost table it prices with or None) for --policy
+    ``name`` (scheduling.auto.serving_policy: "auto" = prefix, on that table where one was measured,
+    else on step costs learned while serving)."""
+    from .scheduling.auto import serving_policy as policy_for
+    return policy_for(name, target, drafter, max_requests)
 
 
 def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int,
                    prefix_caching: bool = True) -> Engine:
     """The engine `dspark serve`, `dspark bench serving` and `dspark.generate_batch` run for a loaded
     target and drafter (``policy`` as for serving_policy; prefix caching on, as in vLLM)."""
-    pol, table = serving_policy(target, drafter, policy)
+    pol, table = serving_policy(target, drafter, policy, max_requests)
     return Engine(target.model, drafter, pol, max_requests=max_requests, max_len=max_len,
                   block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table,
                   prefix_caching=prefix_caching)

@@ -27,14 +27,27 @@ from ..drafters import load_drafter
 from ..engine import Engine, Request
 from ..runtime.loading import target_from_args
 from ..sampling import SamplingParams
-from ..scheduling.policies import make_policy
+from ..scheduling.auto import AutoPolicy, learned_costs
 from ..scheduling.costs import CostTable, table_key_for
+from ..scheduling.learned import LearnedCosts, machine_id
+from ..scheduling.load_aware import LoadAwarePolicy
+from ..scheduling.policies import make_policy
 
 
-def _policy(name: str, block: int, cost_table=None):
-    """A policy name, optionally with "-padded": the same policy on a padded (dense) layout."""
+def _policy(name: str, block: int, cost_table=None, learned: LearnedCosts | None = None, concurrency: int = 1):
+    """A policy name, optionally with "-padded": the same policy on a padded (dense) layout. "auto"
+    is what `dspark serve` runs: prefix on the profile's cost table where there is one, else on the
+    step costs ``learned`` (shared by every concurrency of a bench, as by one server's lifetime)."""
     padded = name.endswith("-padded")
-    return make_policy(name[:-len("-padded")] if padded else name, block, cost_table=cost_table), padded
+    base = name[:-len("-padded")] if padded else name
+    if base == "auto":
+        if cost_table is not None:
+            return make_policy("prefix", block, cost_table=cost_table), padded
+        inner = make_policy("prefix", block)
+        assert isinstance(inner, LoadAwarePolicy)
+        policy = AutoPolicy(inner, learned or LearnedCosts("validation", block), concurrency)
+        return policy, padded
+    return make_policy(base, block, cost_table=cost_table), padded
 
 
 def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
@@ -74,7 +87,9 @@ def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: 
         clock = now
         yield
     per_user = sum(n / s for n, s in latency if s > 0) / len(latency)
-    return _with_rates({"policy": label or policy.name, "concurrency": concurrency, "requests": len(latency),
+    # the auto policy's set-up: the steps it ran to measure the step costs (inside wall_seconds)
+    setup = (policy.measuring_steps, policy.measuring_seconds) if isinstance(policy, AutoPolicy) else (0, 0.0)
+    return _with_rates({"setup_steps": setup[0], "setup_seconds": setup[1], "policy": label or policy.name, "concurrency": concurrency, "requests": len(latency),
                         "tokens": tokens, "wall_seconds": clock, "rounds": rounds,
                         "step_seconds": engine.step_seconds, "decision_seconds": engine.policy_seconds,
                         "per_user_tokens_per_second": per_user, "engine_steps": engine.num_steps,
@@ -122,8 +137,8 @@ def combine_runs(runs: list[dict]) -> dict:
         return runs[0]
     out = dict(runs[0])
     for k in ("requests", "tokens", "wall_seconds", "rounds", "step_seconds", "decision_seconds",
-              "engine_steps", "num_draft_tokens", "num_accepted_tokens"):
-        out[k] = sum(r[k] for r in runs)
+              "engine_steps", "num_draft_tokens", "num_accepted_tokens", "setup_steps", "setup_seconds"):
+        out[k] = sum(r.get(k, 0) for r in runs)
     out["per_user_tokens_per_second"] = sum(r["per_user_tokens_per_second"] * r["requests"] for r in runs) / out["requests"]
     out["repeats"] = len(runs)
     return _with_rates(out)
@@ -140,7 +155,14 @@ def run_concurrency_bench(args) -> int:
     drafter = drafters[policies[0]]
     block = args.block or drafter.block_size
     # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
-    cost_table = CostTable.find(table_key_for(target, drafter))
+    cost_table = CostTable.find(table_key_for(target, drafter), warn=any(p.split("-")[0] in ("prefix", "async")
+                                                                            for p in policies))
+    learned = None
+    if "auto" in policies:
+        # --fresh-costs: as on a machine that never ran this target and drafter (no profile table,
+        # nothing learned before; what it learns stays in memory)
+        learned = (LearnedCosts(f"{table_key_for(target, drafter)}|{machine_id()}", block) if args.fresh_costs
+                   else learned_costs(target, drafter))
     texts = []
     for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
         texts.extend(load_prompts(d))
@@ -155,25 +177,31 @@ def run_concurrency_bench(args) -> int:
         for _ in range(args.repeats):
             loops = []
             for name in policies:
-                policy, padded = _policy(name, block, cost_table)
+                table = None if name == "auto" and args.fresh_costs else cost_table
+                policy, padded = _policy(name, block, table, learned if name == "auto" else None, c)
                 loops.append(closed_loop(target, drafters[name], policy, prompts, c, args.max_new_tokens,
-                                         params, block, padded=padded, label=name, cost_table=cost_table))
+                                         params, block, padded=padded, label=name, cost_table=table))
             for name, res in zip(policies, interleave(loops)):
                 runs[name].append(res)
+            if learned is not None:
+                learned.save()
         for name in policies:
             res = combine_runs(runs[name])
             results.append(res)
             print(f"concurrency {c:>3} {name:>6}: total {res['total_tokens_per_second']:.1f} tok/s, "
                   f"per user {res['per_user_tokens_per_second']:.1f} tok/s, "
                   f"accept length {res['accept_length']:.2f}, "
-                  f"decision {res['decision_ms_per_step']:.3f} ms/step ({100 * res['decision_share']:.2f}% of a step)",
+                  f"decision {res['decision_ms_per_step']:.3f} ms/step ({100 * res['decision_share']:.2f}% of a step)"
+                  + (f", set-up {res['setup_seconds']:.2f} s in {res['setup_steps']} measuring steps (counted)"
+                     if res["setup_steps"] else ""),
                   file=sys.stderr)
-    lines = ["| policy | concurrency | total tok/s | per-user tok/s | accept length | decision ms/step (% of step) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| policy | concurrency | total tok/s | per-user tok/s | accept length | decision ms/step (% of step) "
+             "| set-up s (steps) |", "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['policy']} | {r['concurrency']} | {r['total_tokens_per_second']:.1f} | "
                      f"{r['per_user_tokens_per_second']:.1f} | {r['accept_length']:.2f} | "
-                     f"{r['decision_ms_per_step']:.3f} ({100 * r['decision_share']:.2f}%) |")
+                     f"{r['decision_ms_per_step']:.3f} ({100 * r['decision_share']:.2f}%) | "
+                     f"{r['setup_seconds']:.2f} ({r['setup_steps']}) |")
     print("\n".join(lines))
     if args.plot:
         _pareto_plot(results, args.plot)

@@ -199,7 +199,7 @@ def _local(args, messages, texts) -> list[dict]:
                                                        args.temperature, args.seed), args.prefix_caching)
             else:
                 # the engine's own loop seeds every request alike; the server's requests each get seed + i
-                policy, table = serving_policy(target, drafter, pname)
+                policy, table = serving_policy(target, drafter, pname, c)
                 params = SamplingParams(temperature=args.temperature, seed=args.seed)
                 e = run_closed_loop(target, drafter, policy, ids, c, args.max_new_tokens, params, drafter.block_size,
                                     cost_table=table, prefix_caching=args.prefix_caching)

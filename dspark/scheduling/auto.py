@@ -3,13 +3,14 @@ engine's own steps, so that scheduling needs no set-up.
 
 Where `dspark profile` has measured a full cost table, serving uses it as it is (``serving_policy``).
 Otherwise the costs come from ``LearnedCosts``: loaded from the cache when an earlier run on this
-machine learned them, else learned now. While the costs miss a step shape the policy is about to
-need (the forward over R x (1 + d) rows, the drafter's call d deep for R requests), the policy runs
-that shape itself, every request drafting and verifying d tokens: a measurement that is also a
-regular, lossless decoding step, so it costs only what that step yields below the best one (a few
-steps per number of requests, at most ``explore_steps``). Every step, measured or chosen, refines
-the costs; the table the inner policy prices with is rebuilt from them after each measuring step and every
-``reprice_every`` steps, and saved every ``save_every``.
+machine learned them, else learned now, from every step the engine times. The one part the steps a
+policy chooses may never show is the drafter's call at a new load (a policy that finds drafting
+dear stops drafting); so, until the drafter has been timed drafting the whole block for a number of
+requests within a factor of 4 of the current one, the policy runs such a step itself: a regular,
+lossless decoding step, which costs only what it yields below the best one (at most
+``explore_steps`` per load). After each measuring step and every ``reprice_every`` steps the table
+the inner policy prices with is rebuilt from the costs, and they are saved (every ``save_every``
+steps once measured).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class AutoPolicy(Policy):
     name = "auto"
 
     def __init__(self, inner: LoadAwarePolicy, costs: LearnedCosts, max_requests: int,
-                 explore_steps: int = 12, reprice_every: int = 32, save_every: int = 256):
+                 explore_steps: int = 2, reprice_every: int = 32, save_every: int = 256):
         self.inner = inner
         self.costs = costs
         self.max_requests = max_requests
@@ -41,6 +42,8 @@ class AutoPolicy(Policy):
         self._explored: dict[int, int] = {}    # requests bucket -> measuring steps run there
         self._since_price = 0
         self._since_save = 0
+        self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up)
+        self.measuring_seconds = 0.0
         inner.reprice(costs.table(max_requests))
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None) -> list[int]:
@@ -57,6 +60,9 @@ class AutoPolicy(Policy):
         return lengths
 
     def observe(self, outcome: StepOutcome) -> None:
+        if self.measuring is not None:
+            self.measuring_steps += 1
+            self.measuring_seconds += outcome.seconds
         self.costs.observe(outcome)
         self.inner.observe(outcome)
         self._since_price += 1
@@ -64,7 +70,7 @@ class AutoPolicy(Policy):
         if self._since_price >= self.reprice_every or self.measuring is not None:
             self._since_price = 0
             self.inner.reprice(self.costs.table(self.max_requests))
-        if self._since_save >= self.save_every:
+        if self._since_save >= self.save_every or self.measuring is not None:
             self._since_save = 0
             self.costs.save()
         self.measuring = None

@@ -65,50 +65,60 @@ def lower_median(samples) -> float:
 
 class Curve:
     """Seconds as a non-decreasing function of one size (rows, requests), learned from samples
-    kept in log-spaced buckets; between buckets linear in log size, clamped beyond the ends."""
+    kept in log-spaced buckets. Between buckets it is linear in the size (what a CPU's cost per row
+    is, past the first few rows); beyond the last it goes on with the slope of a least-squares line
+    through the buckets (never negative), so a load never seen is priced from those that were."""
 
     def __init__(self) -> None:
-        self.buckets: dict[int, deque] = {}
-        self._fit: tuple[list[float], list[float]] | None = None
+        self.buckets: dict[int, deque] = {}    # bucket -> recent (size, seconds)
+        self._fit: tuple[list[float], list[float], float] | None = None
 
     def add(self, x: float, seconds: float) -> None:
-        self.buckets.setdefault(bucket(x), deque(maxlen=SAMPLES)).append(float(seconds))
+        self.buckets.setdefault(bucket(x), deque(maxlen=SAMPLES)).append((float(x), float(seconds)))
         self._fit = None
 
-    def count(self, x: float) -> int:
-        """Samples at about ``x``: in its bucket or the next one either side (within ~19 %), close
-        enough for the interpolation to price it."""
+    def count(self, x: float, within: int = 1) -> int:
+        """Samples at about ``x``: in its bucket or the next ``within`` either side (1: ~19 %,
+        4: a factor of 2)."""
         b = bucket(x)
-        return sum(len(self.buckets.get(k, ())) for k in (b - 1, b, b + 1))
+        return sum(len(self.buckets.get(k, ())) for k in range(b - within, b + within + 1))
 
     def __bool__(self) -> bool:
         return bool(self.buckets)
 
-    def __call__(self, x: float) -> float:
+    def _points(self) -> tuple[list[float], list[float], float]:
         if self._fit is None:
             keys = sorted(self.buckets)
-            self._fit = ([math.log2(centre(b)) for b in keys],
-                         isotonic([lower_median(self.buckets[b]) for b in keys]))
-        xs, ys = self._fit
+            xs = [lower_median([x for x, _ in self.buckets[b]]) for b in keys]
+            ys = isotonic([lower_median([y for _, y in self.buckets[b]]) for b in keys])
+            slope = 0.0
+            if len(xs) > 1:
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                var = sum((x - mx) ** 2 for x in xs)
+                slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+            self._fit = (xs, ys, slope)
+        return self._fit
+
+    def __call__(self, x: float) -> float:
+        xs, ys, slope = self._points()
         if not xs:
             return 0.0
-        lx = math.log2(max(x, 1.0))
-        if lx <= xs[0]:
+        if x <= xs[0]:
             return ys[0]
-        if lx >= xs[-1]:
-            return ys[-1]
-        i = next(i for i in range(1, len(xs)) if xs[i] >= lx)
-        f = (lx - xs[i - 1]) / (xs[i] - xs[i - 1])
+        if x >= xs[-1]:
+            return ys[-1] + slope * (x - xs[-1])
+        i = next(i for i in range(1, len(xs)) if xs[i] >= x)
+        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
         return ys[i - 1] + f * (ys[i] - ys[i - 1])
 
     def to_json(self) -> dict:
-        return {str(b): list(s) for b, s in self.buckets.items()}
+        return {str(b): [list(p) for p in s] for b, s in self.buckets.items()}
 
     @classmethod
     def from_json(cls, d: dict) -> Curve:
         c = cls()
         for b, s in d.items():
-            c.buckets[int(b)] = deque((float(v) for v in s), maxlen=SAMPLES)
+            c.buckets[int(b)] = deque(((float(x), float(y)) for x, y in s), maxlen=SAMPLES)
         return c
 
 
@@ -139,18 +149,15 @@ class LearnedCosts:
             self.draft.setdefault(depth, Curve()).add(len(calls), o.draft_seconds)
         self.observed += 1
 
-    def depths(self) -> list[int]:
-        """The depths the cost table has columns for: plain, one token, the middle, the block."""
-        return sorted({0, 1, max(1, (self.block + 1) // 2), self.block})
-
     def missing(self, requests: int) -> int | None:
-        """A depth whose step at ``requests`` decoding requests the costs have not seen enough of
-        (the forward over its rows, the drafter's call so deep), or None when all are known."""
-        for d in self.depths():
-            if self.forward.count(requests * (1 + d)) < 2:
-                return d
-            if d and (d not in self.draft or self.draft[d].count(requests) < 2):
-                return d
+        """A depth to run a step at, every request drafting it, so that the costs can price steps
+        at ``requests`` requests; None when they can. The forward is learned from every step
+        (plain, prefilling, drafting) and priced between and beyond its samples, so it is never
+        missing; the drafter's call is, until it has been timed drafting the whole block for a
+        number of requests within a factor of 4 of this one (its price at other depths and loads
+        comes from that and from the steps the policy chooses)."""
+        if self.block not in self.draft or self.draft[self.block].count(requests, within=8) < 2:
+            return self.block
         return None
 
     def drafter_seconds(self, requests: int, depth: int) -> float:
