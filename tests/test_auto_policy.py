@@ -208,3 +208,12 @@ def test_serving_policy_says_what_it_prices_with(tmp_path, monkeypatch, caplog):
         policy, table = serving_policy(target, drafter, "auto", 8)
     assert type(policy) is PrefixPolicy and table is not None and "`dspark profile` measured" in caplog.text
     assert isinstance(serving_policy(target, drafter, "fixed", 8)[0], type(make_policy("fixed", BLOCK)))
+
+
+def test_auto_spends_no_measuring_at_a_load_above_one_where_drafting_did_not_pay(tmp_path):
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=64)
+    drive(policy, 2, 20)                       # nothing accepted: drafting never pays
+    assert policy._explored == {4: 2} and not policy.inner.drafting_ratio >= 1.0
+    plans = drive(policy, 64, 5)
+    assert 24 not in policy._explored and all(not any(p) for p in plans)

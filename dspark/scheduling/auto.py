@@ -40,6 +40,7 @@ class AutoPolicy(Policy):
         self.uses_free_drafts = inner.uses_free_drafts
         self.measuring: int | None = None      # the depth this step runs to measure it, or None
         self._explored: dict[int, int] = {}    # requests bucket -> measuring steps run there
+        self._pays: dict[int, bool] = {}       # requests bucket -> drafting paid at its last search
         self._since_price = 0
         self._since_save = 0
         self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up)
@@ -48,9 +49,12 @@ class AutoPolicy(Policy):
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None) -> list[int]:
         self.measuring = self._shape_to_measure(len(requests))
-        if self.measuring is None:
-            return self.inner.draft_lengths(requests, block_size, free)
-        return [self.measuring] * len(requests)
+        if self.measuring is not None:
+            return [self.measuring] * len(requests)
+        out = self.inner.draft_lengths(requests, block_size, free)
+        if requests and self.inner.cost.table is not None:
+            self._pays[bucket(len(requests))] = self.inner.drafting_ratio >= 1.0
+        return out
 
     def verify_lengths(self, requests, proposals) -> list[int]:
         if self.measuring is None:
@@ -83,6 +87,11 @@ class AutoPolicy(Policy):
         b = bucket(requests)
         ran = self._explored.get(b, 0)
         if ran >= self.explore_steps:
+            return None
+        # on a CPU a step's verification grows with the load faster than its fixed part: where
+        # drafting did not pay at a lighter load, it will not at this one, and the costs priced on
+        # from the lighter loads are enough to say so (no measuring step spent on it)
+        if any(not pays for lighter, pays in self._pays.items() if lighter < b):
             return None
         depth = self.costs.missing(requests)
         if depth is None:

@@ -132,6 +132,7 @@ class LearnedCosts:
         self.forward = Curve()                  # seconds of the target's forward, by rows
         self.rest = Curve()                     # the step less forward and drafter, by requests
         self.draft: dict[int, Curve] = {}       # depth -> seconds of the drafter's call, by requests drafting
+        self.timed: dict[int, int] = {}         # requests bucket -> steps the whole block was timed at
         self.observed = 0                       # steps learned from, since made or loaded
 
     # ------------------------------------------------------------------ learning
@@ -147,6 +148,9 @@ class LearnedCosts:
         if calls and o.draft_seconds > 0:
             depth = round(sum(calls) / len(calls))
             self.draft.setdefault(depth, Curve()).add(len(calls), o.draft_seconds)
+            if depth == self.block:     # the loads (all decoding requests) the whole block was timed at
+                b = bucket(R)
+                self.timed[b] = self.timed.get(b, 0) + 1
         self.observed += 1
 
     def missing(self, requests: int) -> int | None:
@@ -156,7 +160,8 @@ class LearnedCosts:
         missing; the drafter's call is, until it has been timed drafting the whole block for a
         number of requests within a factor of 4 of this one (its price at other depths and loads
         comes from that and from the steps the policy chooses)."""
-        if self.block not in self.draft or self.draft[self.block].count(requests, within=8) < 2:
+        b = bucket(requests)
+        if sum(n for k, n in self.timed.items() if abs(k - b) <= 8) < 2:
             return self.block
         return None
 
@@ -188,7 +193,8 @@ class LearnedCosts:
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict:
         return {"key": self.key, "block": self.block, "forward": self.forward.to_json(),
-                "rest": self.rest.to_json(), "draft": {str(d): c.to_json() for d, c in self.draft.items()}}
+                "rest": self.rest.to_json(), "draft": {str(d): c.to_json() for d, c in self.draft.items()},
+                "timed": {str(b): n for b, n in self.timed.items()}}
 
     def save(self) -> None:
         if self.path is None:
@@ -215,6 +221,7 @@ class LearnedCosts:
             costs.forward = Curve.from_json(d["forward"])
             costs.rest = Curve.from_json(d["rest"])
             costs.draft = {int(k): Curve.from_json(v) for k, v in d["draft"].items()}
+            costs.timed = {int(k): int(v) for k, v in d["timed"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring learned step costs in %s (%s): learning them again", path, e)
             return cls(key, block, path)

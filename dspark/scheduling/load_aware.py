@@ -93,6 +93,11 @@ class LoadAwarePolicy(Policy, Generic[St]):
     def _new_state(self) -> St:
         raise NotImplementedError
 
+    @property
+    def drafting_ratio(self) -> float:
+        """The best drafting step's tokens/s over plain decoding's, at the last search (1 before any)."""
+        return self._ratio
+
     # ------------------------------------------------------------------ what others tell it
     def reprice(self, cost_table) -> None:
         """Price steps from now on with ``cost_table`` (the auto policy's, learned as it serves); what
