@@ -68,12 +68,16 @@ def test_pack_follows_the_decision_and_computes_the_product(packing, shape):
 
 
 def _assert_rows_alike(p, k: int) -> None:
+    """Rows alone, in blocks of several sizes, and in a column-major block (the layout of the
+    transposed view the dense path returns, which the next layer's product receives) agree."""
     x = _data(40, k, subnormal=0.05, seed=4)
     block = L.linear(x, p, rows_alike=True)
     alone = torch.cat([L.linear(x[i:i + 1], p, rows_alike=True) for i in range(40)])
     assert torch.equal(alone, block)
     for m in (2, 5, 9):
         assert torch.equal(L.linear(x[:m], p, rows_alike=True), block[:m])
+        column_major = x[:m].t().contiguous().t()
+        assert torch.equal(L.linear(column_major, p, rows_alike=True), block[:m])
 
 
 @pytest.mark.parametrize("shape", SHAPES)
