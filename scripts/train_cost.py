@@ -1,16 +1,19 @@
-"""Cost of a training anchor, side by side in one process: the cached recipe against online training.
+"""Cost of a training anchor, side by side in one process: the cached recipe, online training, and
+online training with the loss through plain autograd.
 
 * cached: the target's features and last hidden states read from a disk cache (``dspark cache``),
   64 random anchors per sequence, every block of a sequence in one forward under a dense mask over
   [context; all blocks] (the trainer's path before block attention);
 * online: the target runs inside training (one ragged forward over the step's sequences), every
-  answer position an anchor, block attention (each block against its context and itself).
+  answer position an anchor, block attention (each block against its context and itself);
+* online-autograd: online, with the distillation terms as plain autograd over [rows, draft
+  vocabulary] fp32 tensors instead of training/losses.py's written-out gradients.
 
 Both run the same sequences (ShareGPT answers and standard-library code under the chat template,
 ``dspark train --corpus``'s sources), the same drafter and loss; the two are alternated
 ``--repeats`` times and the per-part times summed. Prints one JSON line per repeat and a table.
 
-    python scripts/train_cost.py --sequences 16 --repeats 2
+    python scripts/train_cost.py --sequences 16 --repeats 2 --paths cached,online,online-autograd
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dspark.drafters import backbone
 from dspark.drafters.config import DrafterConfig, default_layer_ids, pick_mask_token
 from dspark.drafters.dspark import DSparkModel
 from dspark.runtime.loading import load_target
-from dspark.training import corpus
+from dspark.training import corpus, trainer
 from dspark.training.cache import CacheReader, OnlineSource, build_cache
 from dspark.training.trainer import LOSSES, build_draft_vocab, feature_scale, sample_anchors, sequence_loss
 
@@ -44,6 +47,38 @@ def dense_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors):
     k = torch.cat([k_ctx, k_blk]).transpose(0, 1)
     v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
     return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+
+
+def autograd_loss(logits, positions, weights, gt, pt=None, pt_out=None, conf_logits=None,
+                  ce_weight=0.1, l1_weight=0.9, bce_weight=1.0, kl_weight=0.0):
+    """losses.drafter_loss's terms as plain autograd over [N, Vd] fp32 tensors."""
+    logp = logits.float().log_softmax(-1)
+    w = weights.to(logp.device)[positions]
+    wsum = w.sum().clamp_min(1e-12)
+    vd = logits.shape[-1]
+    ce = torch.where(gt < vd, -logp.gather(-1, gt.clamp(max=vd - 1)[:, None]).squeeze(-1), torch.zeros_like(w))
+    loss = ce_weight * (w * ce).sum() / wsum
+    if pt is None:
+        return loss, {}
+    l1 = (logp.exp() - pt).abs().sum(-1) + pt_out
+    accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+    loss = loss + l1_weight * (w * l1).sum() / wsum
+    if kl_weight:
+        loss = loss + kl_weight * (w * (torch.xlogy(pt, pt) - pt * logp).sum(-1)).sum() / wsum
+    if conf_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), accept, reduction="none")
+        loss = loss + bce_weight * (w * bce).sum() / wsum
+    return loss, {}
+
+
+@contextmanager
+def plain_autograd(on: bool):
+    real = trainer.drafter_loss
+    trainer.drafter_loss = autograd_loss if on else real
+    try:
+        yield
+    finally:
+        trainer.drafter_loss = real
 
 
 @contextmanager
@@ -63,7 +98,11 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--loss", default="tv", choices=sorted(LOSSES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default="cached,online,online-autograd")
     args = ap.parse_args()
+    paths = args.paths.split(",")
+    if not paths or set(paths) - {"cached", "online", "online-autograd"}:
+        ap.error("--paths: a comma-separated subset of cached, online, online-autograd")
     torch.set_num_threads(args.threads)
     target = load_target("smollm2-135m-instruct", dtype="bf16")
     tok, tc = target.tokenizer, target.model.config
@@ -74,7 +113,8 @@ def main() -> None:
     online = OnlineSource(rows, target, layers, max_len=args.max_len)
     tmp = tempfile.mkdtemp(prefix="dspark-train-cost-")
     as_regen = [{"id": r.id, "prompt_ids": list(r.ids[:r.start]), "answer_ids": list(r.ids[r.start:])} for r in rows]
-    build_cache(as_regen, target, tmp, layers, max_len=args.max_len, progress=False, log=lambda m: None)
+    build_cache(as_regen if "cached" in paths else as_regen[:1], target, tmp, layers, max_len=args.max_len,
+                progress=False, log=lambda m: None)     # the feature scale below reads the cache
     cached = CacheReader(tmp)
     cfg = DrafterConfig(kind="dspark", hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                         num_hidden_layers=2, num_attention_heads=tc.num_heads, num_key_value_heads=tc.num_kv_heads,
@@ -90,11 +130,11 @@ def main() -> None:
         t: dict = defaultdict(float)
         anchors_total = 0
         t0 = time.perf_counter()
-        if name == "online":
+        if name != "cached":
             online.prefetch(range(len(online)))
         t["target"] = time.perf_counter() - t0
-        src = online if name == "online" else cached
-        with attention(dense=name == "cached"):
+        src = cached if name == "cached" else online
+        with attention(dense=name == "cached"), plain_autograd(name == "online-autograd"):
             for i in range(len(src)):
                 a = time.perf_counter()
                 seq = src[i]
@@ -116,7 +156,7 @@ def main() -> None:
     results = defaultdict(list)
     run("online")                               # warm-up: allocator, RoPE tables
     for r in range(args.repeats):
-        for name in (("cached", "online") if r % 2 == 0 else ("online", "cached")):
+        for name in (paths if r % 2 == 0 else paths[::-1]):
             res = run(name)
             results[name].append(res)
             print(json.dumps(res), flush=True)
