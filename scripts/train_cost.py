@@ -23,7 +23,8 @@ import json
 import tempfile
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import nullcontext
+from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
@@ -71,26 +72,6 @@ def autograd_loss(logits, positions, weights, gt, pt=None, pt_out=None, conf_log
     return loss, {}
 
 
-@contextmanager
-def plain_autograd(on: bool):
-    real = trainer.drafter_loss
-    trainer.drafter_loss = autograd_loss if on else real
-    try:
-        yield
-    finally:
-        trainer.drafter_loss = real
-
-
-@contextmanager
-def attention(dense: bool):
-    real = backbone.block_attention
-    backbone.block_attention = dense_block_attention if dense else real
-    try:
-        yield
-    finally:
-        backbone.block_attention = real
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=16)
@@ -134,7 +115,9 @@ def main() -> None:
             online.prefetch(range(len(online)))
         t["target"] = time.perf_counter() - t0
         src = cached if name == "cached" else online
-        with attention(dense=name == "cached"), plain_autograd(name == "online-autograd"):
+        dense = patch.object(backbone, "block_attention", dense_block_attention) if name == "cached" else nullcontext()
+        plain = patch.object(trainer, "drafter_loss", autograd_loss) if name == "online-autograd" else nullcontext()
+        with dense, plain:
             for i in range(len(src)):
                 a = time.perf_counter()
                 seq = src[i]
