@@ -10,7 +10,7 @@ online training with the loss through plain autograd.
   vocabulary] fp32 tensors instead of training/losses.py's written-out gradients.
 
 Both run the same sequences (ShareGPT answers and standard-library code under the chat template,
-``dspark train --corpus``'s sources), the same drafter and loss; the two are alternated
+``dspark train --corpus``'s sources), the same drafter and loss; the paths are alternated
 ``--repeats`` times and the per-part times summed. Prints one JSON line per repeat and a table.
 
     python scripts/train_cost.py --sequences 16 --repeats 2 --paths cached,online,online-autograd

@@ -113,15 +113,16 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
     ``rows_alike`` (batch-invariant mode): a row gets the same bits whatever the number of rows
     beside it. oneDNN's one-row kernel rounds some inputs differently from its many-row one (rows
     with subnormal values through the 1536-wide down projection, on the AMD EPYC VM), so with a
-    packed weight one row runs as the first of two; the dense path is alike for rows laid out
-    contiguously (with the ISA capped at AVX2, a column-major block rounds otherwise)."""
+    packed weight one row runs as the first of two. Kernels also follow the input's layout (with
+    the ISA capped at AVX2, a column-major block, as the transposed view the dense path returns,
+    rounds otherwise than rows alone), so rows-alike products take contiguous rows on both paths."""
+    if rows_alike:
+        x = x.contiguous()
     if isinstance(w, PackedWeight):     # x in the weight's dtype, as for F.linear
         if rows_alike and x.shape[0] == 1:
             return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w.packed, b, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        if rows_alike:          # the kernel follows the layout: a column-major block (the transposed
-            x = x.contiguous()  # view this path returns) rounds otherwise than rows alone (AVX2)
         if x.shape[0] == 1:
             y = torch.mv(w, x[0]).unsqueeze(0)
         else:
