@@ -2,19 +2,21 @@
 
 The committed DSpark drafter is exported in DeepSpec's layout (`dspark export --format deepspec`),
 converted by llama.cpp's `convert_hf_to_gguf.py` (unmodified, `--target-model-dir` the bundled
-target's Hugging Face folder), and served by `llama-server` with the bundled target as a BF16 GGUF
-of the weights we serve (converted by the same script), greedy, `--spec-type draft-dspark
---spec-draft-n-max 7 --spec-draft-p-min 0`. Each prompt goes to the server as token ids (our
-tokenizer's chat template, so both sides decode the same ids) with `return_tokens`; the server's
-`timings.draft_n` / `draft_n_accepted` are llama.cpp's `n_drafted` / `n_accept`. Our engine runs the
-same ids with the same drafter, the whole block of 7 verified every step (`--policy fixed`),
-greedy, in bf16; its counters are `num_draft_tokens` / `num_accepted_tokens`. Reported per
-benchmark: both ratios and theirs / ours; and, not a target, how many of llama.cpp's speculative
-outputs equal its own plain decoding (the same server without the drafter) and how many equal ours.
+target's Hugging Face folder), and served by `llama-server` with the bundled target as a GGUF of
+the weights we serve (converted by the same script), both files in the dtype of `--dtype`, greedy,
+`--spec-type draft-dspark --spec-draft-n-max 7 --spec-draft-p-min 0`. Each prompt goes to the
+server as token ids (our tokenizer's chat template, so both sides decode the same ids) with
+`return_tokens`; the server's `timings.draft_n` / `draft_n_accepted` are llama.cpp's `n_drafted` /
+`n_accept`. Our engine runs the same ids with the same drafter in the same dtype, the whole block of
+7 verified every step (`--policy fixed`), greedy; its counters are `num_draft_tokens` /
+`num_accepted_tokens`. Reported per benchmark: both ratios and theirs / ours; and, not a target,
+how many of llama.cpp's speculative outputs equal its own plain decoding (the same server without
+the drafter) and how many equal ours. In fp32 the two sides write the same answers, so the
+ratio compares the drafters on the same text; in bf16 their rounding parts the answers.
 
     make llama-server                       # builds llama.cpp 11434 under the dspark cache
     pip install -e '.[interop]'             # gguf, sentencepiece (the converter)
-    python scripts/llama_spec_compare.py --json > compare.json
+    python scripts/llama_spec_compare.py --dtype fp32 --json > compare.json
 """
 
 from __future__ import annotations
@@ -158,10 +160,11 @@ def main(argv=None) -> int:
     target_cmd = run_converter(src, hf, target_gguf, outtype)
     export_dir = out / f"{args.drafter}-deepspec"
     rep = export_drafter(args.drafter, "deepspec", export_dir)
-    draft_gguf = out / f"{args.drafter}-deepspec.gguf"
+    # the drafter in the target's dtype on both sides (our engine runs it in the target's dtype)
+    draft_gguf = out / f"{args.drafter}-deepspec-{outtype}.gguf"
     if draft_gguf.exists():
         draft_gguf.unlink()
-    draft_cmd = run_converter(src, export_dir, draft_gguf, "f32", target_dir=hf)
+    draft_cmd = run_converter(src, export_dir, draft_gguf, outtype, target_dir=hf)
 
     tok = load_target(None, dtype=args.dtype).tokenizer
     prompts = {d: [encode_prompt(tok, p, chat=True) for p in load_prompts(d, args.num_prompts)]

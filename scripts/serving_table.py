@@ -15,7 +15,7 @@ Systems (`--systems`, comma list):
   dspark              dspark serve (the default drafter and policy)
 
     make llama-server
-    python scripts/llama_spec_compare.py          # writes the two GGUF files this script reuses
+    python scripts/llama_spec_compare.py --dtype bf16   # writes the BF16 GGUF files this script reuses
     python scripts/serving_table.py --json > serving.json
 """
 
@@ -46,7 +46,7 @@ def server_command(system: str, port: int, threads: int, compare_dir: Path, bin_
         cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-np", "16", "-c", "32768",
                "--host", "127.0.0.1", "--port", str(port)]
         if system.endswith("+dspark"):
-            cmd += ["-md", str(compare_dir / "dspark-deepspec.gguf"), *SPEC_FLAGS]
+            cmd += ["-md", str(compare_dir / "dspark-deepspec-bf16.gguf"), *SPEC_FLAGS]
         return cmd
     dspark = str(Path(sys.executable).parent / "dspark")
     cmd = [dspark, "serve", "--threads", str(threads), "--host", "127.0.0.1", "--port", str(port)]
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     bin_dir, compare_dir = root / "build" / "bin", root / "compare"
     if any(s.startswith("llama-") for s in systems):
         missing = [p for p in (bin_dir / "llama-server", compare_dir / "target-bf16.gguf",
-                               compare_dir / "dspark-deepspec.gguf") if not p.exists()]
+                               compare_dir / "dspark-deepspec-bf16.gguf") if not p.exists()]
         if missing:
             print(f"missing {missing[0]}: run `make llama-server`, then scripts/llama_spec_compare.py", file=sys.stderr)
             return 2
