@@ -57,31 +57,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_up(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600) -> None:
+    end = time.time() + limit_s
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"error: the server did not come up in {limit_s:.0f} s; see {log}")
+
+
 @contextmanager
-def llama_server(bin_dir: Path, model: Path, extra: list[str], threads: int, log: Path):
-    port = free_port()
-    cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-tb", str(threads),
-           "-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+def server_process(cmd: list[str], url: str, log: Path, env: dict | None = None):
+    """A server for the block's length: answering /health on entry, stopped on exit; output to ``log``."""
+    with open(log, "a") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise SystemExit(f"error: llama-server exited ({proc.returncode}); see {log}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        yield url, " ".join(cmd)
+        wait_up(url, proc, log)
+        yield proc
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def llama_server(bin_dir: Path, model: Path, extra: list[str], threads: int, log: Path):
+    port = free_port()
+    cmd = [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-tb", str(threads),
+           "-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
+    url = f"http://127.0.0.1:{port}"
+    log.unlink(missing_ok=True)
+    with server_process(cmd, url, log):
+        yield url, " ".join(cmd)
 
 
 def complete(url: str, ids: list[int], max_new_tokens: int) -> dict:

@@ -28,13 +28,11 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_build import default_root  # noqa: E402
-from llama_spec_compare import SPEC_FLAGS, free_port  # noqa: E402
+from llama_spec_compare import SPEC_FLAGS, free_port, server_process  # noqa: E402
 
 SYSTEMS = ("llama-bf16", "llama-q4_1", "llama-bf16+dspark", "dspark-plain", "dspark")
 
@@ -55,21 +53,6 @@ def server_command(system: str, port: int, threads: int, compare_dir: Path, bin_
     return cmd
 
 
-def wait_up(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600) -> None:
-    end = time.time() + limit_s
-    while time.time() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: the server exited ({proc.returncode}); see {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"error: the server did not come up in {limit_s:.0f} s; see {log}")
-
-
 def bench(url: str, concurrency: str, num_prompts: int, max_new_tokens: int) -> list[dict]:
     dspark = str(Path(sys.executable).parent / "dspark")
     cmd = [dspark, "bench", "serving", "--endpoint", url + "/v1", "--concurrency", concurrency,
@@ -85,20 +68,10 @@ def run_system(system: str, args, compare_dir: Path, bin_dir: Path, log_dir: Pat
     cmd = server_command(system, port, args.threads, compare_dir, bin_dir)
     log = log_dir / f"{system}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    with open(log, "a") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_up(url, proc, log)
+    with server_process(cmd, url, log, env):
         bench(url, "2", 4, 16)                      # untimed warm-up
         return shlex.join(cmd), bench(url, args.concurrency, args.num_prompts, args.max_new_tokens)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def main(argv=None) -> int:
