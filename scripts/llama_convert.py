@@ -9,9 +9,9 @@ table [vocab, rank], d2t.
     pip install -e '.[interop]'      # gguf, sentencepiece (the converter needs it for Llama targets)
     python scripts/llama_convert.py
 
-The committed drafters were trained without q/k norms, which the layouts have: they are exported
-with ``--allow-inexact`` here (norms of ones: the converter's input, not the drafter we serve), and
-the script says so. Nothing is built here: ``make llama-server`` compiles llama.cpp, and
+The exports pass ``--allow-inexact``, so that a drafter without q/k norms (which every layout has)
+still reaches the converter, with norms of ones and an ``inexact`` line saying so; the committed
+drafters have them and export exactly. Nothing is built here: ``make llama-server`` compiles llama.cpp, and
 ``scripts/llama_spec_compare.py`` runs our drafter in it.
 """
 
