@@ -47,8 +47,11 @@ def sdist_url() -> tuple[str, str]:
     """(url, sha256) of the sdist, from the PEP 691 JSON form of the simple index."""
     req = urllib.request.Request(f"{INDEX}/{PACKAGE}/",
                                  headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        files = json.load(r)["files"]
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            files = json.load(r)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: cannot read {INDEX}/{PACKAGE}/ ({e})") from None
     name = re.compile(rf"llama[_-]cpp[_-]bin-{re.escape(VERSION)}\.tar\.gz$")
     for f in files:
         if name.search(f["filename"]):
@@ -66,7 +69,11 @@ def fetch(root: Path) -> Path:
     if not archive.exists() or hashlib.sha256(archive.read_bytes()).hexdigest() != sha:
         print(f"downloading {url}", file=sys.stderr)
         part = archive.with_suffix(".part")
-        urllib.request.urlretrieve(url, part)
+        try:
+            urllib.request.urlretrieve(url, part)
+        except OSError as e:
+            part.unlink(missing_ok=True)
+            raise SystemExit(f"error: cannot download {url} ({e})") from None
         got = hashlib.sha256(part.read_bytes()).hexdigest()
         if got != sha:
             part.unlink()
@@ -86,12 +93,16 @@ def build(src: Path, build_dir: Path, cmake_args: list[str], targets: list[str],
         return bin_dir
     configure = ["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_OPENSSL=OFF", *cmake_args]
-    print("+", shlex.join(configure), file=sys.stderr)
-    subprocess.run(configure, check=True)
     make = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
             "--target", *targets]
-    print("+", shlex.join(make), file=sys.stderr)
-    subprocess.run(make, check=True)
+    for cmd in (configure, make):
+        print("+", shlex.join(cmd), file=sys.stderr)
+        try:
+            subprocess.run(cmd, check=True)
+        except FileNotFoundError:
+            raise SystemExit("error: cmake not found (install cmake, then rerun)") from None
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"error: `{shlex.join(cmd)}` failed with exit code {e.returncode} (its output is above)") from None
     return bin_dir
 
 
