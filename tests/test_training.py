@@ -386,8 +386,8 @@ def test_online_training_on_corpus_rows_with_every_anchor_and_the_heldout_signal
     from dataclasses import replace
     train(online, tiny_config(qk_norm=True), tmp_path / "w", t, replace(cfg, init_weights=str(tmp_path / "o"),
                                                                           max_steps=1, eval_every=0), **quiet)
-    with pytest.raises(Exception, match="init-weights"):
-        train(online, tiny_config(kind="dflash", head="none"), tmp_path / "x", t,
+    with pytest.raises(Exception, match="init-weights"):        # another shape: refused
+        train(online, tiny_config(layers=2, qk_norm=True), tmp_path / "x", t,
               replace(cfg, init_weights=str(tmp_path / "o"), max_steps=1), **quiet)
 
 
@@ -457,3 +457,22 @@ def test_init_weights_grows_qk_norms_from_a_drafter_saved_without_them(tmp_path)
     save_file({k: v.contiguous() for k, v in bad.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(DsparkError, match="do not fit"):
         _load_weights(new, tmp_path)
+
+
+def test_init_weights_starts_a_dflash_drafter_from_a_dspark_drafters_backbone(tmp_path):
+    """DFlash is DSpark's backbone without its heads: a DSpark drafter's weights start a DFlash run
+    (both recipes then share one training history), the heads left out; the reverse lacks the heads."""
+    from safetensors.torch import save_file
+    from dspark.training.trainer import _load_weights
+    t = tiny_target()
+    vocab = torch.tensor([0, 1, 2, 4])
+    dspark = tiny_drafter_model(t, draft_vocab=vocab)
+    save_file({k: v.contiguous() for k, v in dspark.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    dflash = tiny_drafter_model(t, kind="dflash", head="none", draft_vocab=vocab, seed=7)
+    _load_weights(dflash, tmp_path)
+    theirs = dspark.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in dflash.state_dict().items())
+    assert any(k.startswith("head.") for k in theirs)
+    save_file({k: v.contiguous() for k, v in dflash.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DsparkError, match="missing"):
+        _load_weights(tiny_drafter_model(t, draft_vocab=vocab), tmp_path)

@@ -275,6 +275,9 @@ def _dist():
     return 0, 1
 
 
+HEAD_PREFIXES = ("head.", "confidence.")    # DSpark's sequential and confidence heads
+
+
 def _load_weights(model, folder) -> None:
     """A saved drafter's (or checkpoint's) weights into ``model``, which must have its shapes."""
     try:
@@ -282,6 +285,9 @@ def _load_weights(model, folder) -> None:
     except Exception as e:  # noqa: BLE001 - any damage means the same thing to the user
         raise UsageError(f"--init-weights {folder}: cannot read model.safetensors ({e})") from None
     mine = model.state_dict()
+    # a DSpark drafter starts a drafter without its heads (DFlash: the same backbone) from its backbone,
+    # so both recipes can share one training history; the sequential and confidence heads are left out
+    state = {k: v for k, v in state.items() if k in mine or not k.startswith(HEAD_PREFIXES)}
     bad = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
     # a drafter saved without q/k norms grows them: they start at one (RMSNorm's init), the rest loads
     grown = [k for k in mine if k not in state and k.endswith((".q_norm.weight", ".k_norm.weight"))]
