@@ -386,6 +386,8 @@ def test_online_training_on_corpus_rows_with_every_anchor_and_the_heldout_signal
     from dataclasses import replace
     train(online, tiny_config(qk_norm=True), tmp_path / "w", t, replace(cfg, init_weights=str(tmp_path / "o"),
                                                                           max_steps=1, eval_every=0), **quiet)
+    train(online, tiny_config(kind="dflash", head="none", qk_norm=True), tmp_path / "d", t,   # DSpark's backbone
+          replace(cfg, init_weights=str(tmp_path / "o"), max_steps=1, eval_every=0), **quiet)
     with pytest.raises(Exception, match="init-weights"):        # another shape: refused
         train(online, tiny_config(layers=2, qk_norm=True), tmp_path / "x", t,
               replace(cfg, init_weights=str(tmp_path / "o"), max_steps=1), **quiet)

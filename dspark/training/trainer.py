@@ -328,8 +328,9 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     if ckpt.exists() or tcfg.init_weights:
         src = ckpt if ckpt.exists() else Path(cast(str, tcfg.init_weights))   # set: the condition above
         saved = DrafterConfig.load(src)
-        if not ckpt.exists() and (saved.kind, saved.target_layer_ids) != (drafter_config.kind,
-                                                                          drafter_config.target_layer_ids):
+        # a DSpark drafter's backbone starts a DFlash one (_load_weights leaves its heads out)
+        kind_fits = saved.kind == drafter_config.kind or (saved.kind, drafter_config.kind) == ("dspark", "dflash")
+        if not ckpt.exists() and (not kind_fits or saved.target_layer_ids != drafter_config.target_layer_ids):
             raise UsageError(f"--init-weights {src}: a {saved.kind} drafter on layers {saved.target_layer_ids}, "
                              f"not a {drafter_config.kind} on {drafter_config.target_layer_ids}")
         drafter_config = saved if ckpt.exists() else drafter_config
