@@ -279,6 +279,17 @@ def test_bench_serving_runs_the_server_as_serve_does(capsys):
     assert main(["bench", "serving", "--endpoint", "http://127.0.0.1:9/v1", "--against-engine"]) == 2
 
 
+def test_bench_serving_times_the_first_token_not_the_role_chunk():
+    """A stream opens with the role alone: content "" (ours, vLLM) or null (llama.cpp's server);
+    the time to the first token is that of the first chunk with text."""
+    from dspark.evaluation.serving import _has_content
+    role = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":%s}}]}'
+    assert not _has_content(role % b"null") and not _has_content(role % b'""')
+    assert _has_content(b'{"choices":[{"index":0,"delta":{"content":"There"}}]}')
+    assert not _has_content(b'{"choices":[],"usage":{"completion_tokens":3}}')
+    assert not _has_content(b'{"content": "cut')
+
+
 def test_sigterm_lets_requests_in_flight_finish():
     """`dspark serve` in a process of its own: SIGTERM mid-stream, the stream still ends with all its
     tokens and [DONE], and the server exits 0."""

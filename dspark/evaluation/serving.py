@@ -49,7 +49,7 @@ def _stream_one(base_url: str, api_key: str | None, body: dict) -> tuple[int, fl
         for line in resp:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
-            if ttft is None and b'"content": ""' not in line and b'"content":""' not in line and b'"content"' in line:
+            if ttft is None and _has_content(line[6:]):
                 ttft = time.perf_counter() - t0
             if b'"usage"' in line:
                 usage = json.loads(line[6:]).get("usage") or {}
@@ -59,6 +59,19 @@ def _stream_one(base_url: str, api_key: str | None, body: dict) -> tuple[int, fl
         return tokens, ttft
     finally:
         conn.close()
+
+
+def _has_content(data: bytes) -> bool:
+    """Whether a chat chunk carries text: servers open the stream with a chunk of the role alone,
+    whose content is "" (ours, vLLM) or null (llama.cpp's server), sent before any token."""
+    if b'"content"' not in data:
+        return False
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return False
+    return any(isinstance(c, dict) and isinstance(c.get("delta"), dict) and c["delta"].get("content")
+               for c in chunk.get("choices") or [])
 
 
 def _first_model(base_url: str, api_key: str | None) -> str:
