@@ -47,7 +47,7 @@ from .runtime.prefix_cache import PrefixCache
 from .sampling import SamplingParams, penalised_logits, sample_from_logits, token_logprobs
 from .scheduling.base import Policy, RequestOutcome, StepOutcome
 from .scheduling.policies import FixedPolicy
-from .verify import verify
+from .verify import stack_requests, target_rows, verify, verify_batch
 
 if TYPE_CHECKING:
     from .structured import GrammarState
@@ -428,14 +428,38 @@ class Engine:
     def _verify(self, decode: list[Request], proposals: list[Proposal],
                 blocks: list[torch.Tensor]) -> list[tuple[int, int] | None]:
         """Each decoding request's (accepted drafts n, the token emitted after them), or None where
-        verifying it failed (its grammar, its sampling settings) and it ended alone (``_fail``)."""
-        verdicts: list[tuple[int, int] | None] = []
-        for r, p, logits in zip(decode, proposals, blocks):
-            try:
-                verdicts.append(verify(p.tokens, p.probs, self._law(r, logits, p.tokens), r.params, r.generator))
-            except Exception as e:     # its grammar, its sampling settings: it alone ends
+        verifying it failed (its grammar, its sampling settings, a NaN in its law) and it ended
+        alone (``_fail``). Every request's block goes through one ``verify_batch`` call (one host
+        synchronisation for the step); ``verify``, request by request, answers only if that call
+        itself fails, so that one request's failure still ends that request alone."""
+        verdicts: list[tuple[int, int] | None] = [None] * len(decode)
+        rows, kept = [], []
+        for i, (r, p, logits) in enumerate(zip(decode, proposals, blocks)):
+            try:      # its law: its penalties, its grammar, its sampling settings
+                rows.append((p.tokens, p.probs, target_rows(self._law(r, logits, p.tokens), r.params),
+                             r.params.greedy, r.generator))
+                kept.append(i)
+            except Exception as e:     # it alone ends
                 self._fail(r, e)
-                verdicts.append(None)
+        if not kept:
+            return verdicts
+        try:
+            got = verify_batch(*stack_requests(rows))
+        except Exception:
+            if not self.isolate_failures:
+                raise
+            got = []
+            for i in kept:      # request by request, so that what failed ends alone
+                r, p = decode[i], proposals[i]
+                try:
+                    got.append(verify(p.tokens, p.probs, self._law(r, blocks[i], p.tokens), r.params, r.generator))
+                except Exception as e:
+                    self._fail(r, e)
+                    got.append(None)
+        for i, v in zip(kept, got):
+            if v is None and not decode[i].done:      # verify_batch: a NaN where its law is read
+                self._fail(decode[i], FloatingPointError("NaN in the target's or the drafter's probabilities"))
+            verdicts[i] = v
         return verdicts
 
     def _accept(self, r: Request, p: Proposal, verdict: tuple[int, int], drafted: int, sent: int, start: int,

@@ -427,3 +427,36 @@ def test_a_job_receives_typed_events(tiny):
     assert tokens and all(isinstance(t, Tokens) and len(t.logprobs) == len(t.ids) for t in tokens)
     assert sum(len(t.ids) for t in tokens) == 6 and end == Ended("length")
     assert len(events[1]) == 1 and isinstance(events[1][0], Failed) and "stop token ids" in events[1][0].message
+
+
+def test_the_engine_verifies_a_step_in_one_call_and_a_nan_ends_its_request_alone(tiny, monkeypatch):
+    """Every decoding request of a step goes through one verify_batch call; a request whose law
+    turns NaN ends alone ("failed"), and the others' seeded outputs equal a run without it."""
+    calls = []
+    real = dspark.engine.verify_batch
+
+    def counted(tokens, probs, target, batch):
+        calls.append(len(batch.lengths))
+        return real(tokens, probs, target, batch)
+    monkeypatch.setattr(dspark.engine, "verify_batch", counted)
+    e = Engine(tiny.model, NgramDrafter(block_size=3), max_requests=4, max_len=64, isolate_failures=True)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    good = [e.add_request([5, 6, 7, 5, 6, 7, 5], p, 12) for p in params]
+    bad = e.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=666), 12)
+    law = e._law
+
+    def nan_law(r, logits, drafts=None):
+        out = law(r, logits, drafts)
+        return out.float().fill_(float("nan")) if r is bad and drafts is not None and len(r.output_ids) >= 3 else out
+    monkeypatch.setattr(e, "_law", nan_law)
+    while e.has_work():
+        decoding = sum(r.ctx is not None for r in e.running)
+        before = len(calls)
+        e.step()
+        assert len(calls) - before == (1 if decoding else 0) and (not decoding or calls[-1] == decoding)
+    assert bad.status == "failed" and "NaN" in bad.error and len(bad.output_ids) >= 3
+    assert all(r.status == "finished" and len(r.output_ids) == 12 for r in good)
+    ref = Engine(tiny.model, NgramDrafter(block_size=3), max_requests=4, max_len=64)
+    want = [ref.add_request(r.prompt_ids, p, 12) for r, p in zip(good, params)]
+    ref.run()
+    assert [r.output_ids for r in good] == [r.output_ids for r in want]
