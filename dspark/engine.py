@@ -8,8 +8,9 @@ Requests join and leave at any step (continuous batching). Each step:
 3. one target forward runs over every request's tokens flattened into a ragged batch (the anchor
    plus the verified drafts of each decoding request, and chunks of new requests' prompts), each
    request attending only to its own cache slot;
-4. each request verifies its block (rejection sampling with its own generator), emits 1 to l+1
-   tokens, and its cache rolls back over the rejected drafts;
+4. every request's block is verified in one call over flattened rows (verify.verify_batch:
+   rejection sampling, each request with its own generator, one host synchronisation); each
+   emits 1 to l+1 tokens, and its cache rolls back over the rejected drafts;
 5. the policy is told the step's outcome (scheduling.base.StepOutcome): per request what was
    drafted, verified and accepted, the step's wall time, and which requests ended.
 
