@@ -211,6 +211,23 @@ def test_batched_verification_equals_the_per_request_one_bit_for_bit():
     assert ("zero residual", False, False) in seen
 
 
+def test_a_greedy_step_verified_at_once_equals_the_per_request_one():
+    """verify_batch's all-greedy path: the same (n, token) as ``verify_greedy`` per request (lengths
+    0 - 5, ties in the argmax, drafts that match wholly or not at all), None where a row is NaN."""
+    rng = random.Random(1)
+    for step in range(200):
+        vocab = rng.choice([2, 3, 40])
+        lengths = [rng.randrange(0, 6) for _ in range(rng.randrange(1, 7))]
+        logits = torch.randint(0, 3, (sum(lengths) + len(lengths), vocab)).float()   # ties
+        blocks = logits.split([l + 1 for l in lengths])
+        drafts = [b[:-1].argmax(-1) if rng.random() < 0.4 else torch.randint(0, vocab, (len(b) - 1,)) for b in blocks]
+        if step % 10 == 0:
+            blocks[0][-1, 0] = float("nan")
+        got = verify_batch(*stack_requests([(x, None, b, True, None) for x, b in zip(drafts, blocks)]))
+        want = [None if b.isnan().any() else verify_greedy(x, b) for x, b in zip(drafts, blocks)]
+        assert got == want, f"step {step}"
+
+
 def test_stacked_rows_consecutive_in_one_tensor_are_not_copied():
     logits = torch.randn(9, 5)
     blocks = [(torch.tensor([1, 2]), None, logits[:3], True, None), (torch.tensor([3]), None, logits[3:5], True, None)]
