@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from dspark.api import encode_prompt
 from dspark.data import load_prompts
 from dspark.engine import Engine
-from dspark.runtime.linear import PackedWeight, dense, linear
+from dspark.runtime.linear import PackedWeight, dense, linear, pack
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
 
@@ -85,7 +85,7 @@ def products(model) -> list[tuple[str, tuple[int, int], float, float]]:
     layer = model.layers[0]
     out = []
     for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down),
-                    ("lm_head", model._head)):
+                    ("lm_head", pack(model.lm_head))):
         plain = dense(w)
         copies = max(2, int(110e6 // (plain.numel() * plain.element_size())))
         ws = [PackedWeight(plain.clone()) if isinstance(w, PackedWeight) else plain.clone() for _ in range(copies)]

@@ -215,12 +215,14 @@ def test_a_greedy_step_verified_at_once_equals_the_per_request_one():
     """verify_batch's all-greedy path: the same (n, token) as ``verify_greedy`` per request (lengths
     0 - 5, ties in the argmax, drafts that match wholly or not at all), None where a row is NaN."""
     rng = random.Random(1)
+    g = torch.Generator().manual_seed(1)
     for step in range(200):
         vocab = rng.choice([2, 3, 40])
         lengths = [rng.randrange(0, 6) for _ in range(rng.randrange(1, 7))]
-        logits = torch.randint(0, 3, (sum(lengths) + len(lengths), vocab)).float()   # ties
+        logits = torch.randint(0, 3, (sum(lengths) + len(lengths), vocab), generator=g).float()   # ties
         blocks = logits.split([l + 1 for l in lengths])
-        drafts = [b[:-1].argmax(-1) if rng.random() < 0.4 else torch.randint(0, vocab, (len(b) - 1,)) for b in blocks]
+        drafts = [b[:-1].argmax(-1) if rng.random() < 0.4 else torch.randint(0, vocab, (len(b) - 1,), generator=g)
+                  for b in blocks]
         if step % 10 == 0:
             blocks[0][-1, 0] = float("nan")
         got = verify_batch(*stack_requests([(x, None, b, True, None) for x, b in zip(drafts, blocks)]))
