@@ -52,7 +52,7 @@ demo: $(STAMP)
 		--prompt "$$(printf '$(DEMO_PROMPT)')"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # the package's lint and type checks (CI runs them before the tests)
 lint: $(STAMP)

@@ -99,9 +99,12 @@ def test_damaged_cache_copy_is_rebuilt(tmp_path, monkeypatch):
     import shutil
 
     from dspark.runtime import loading
-    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     gguf = loading.bundled_gguf(loading.DEFAULT_TARGET)
-    folder = loading._convert_gguf(gguf)
+    good = loading._convert_gguf(gguf)           # the session's copy (made once, reused)
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    folder = loading._gguf_cache_folder(gguf)
+    assert folder != good
+    shutil.copytree(good, folder)
     st = folder / "model.safetensors"
     st.write_bytes(st.read_bytes()[:1000])
     model, tok = loading.load_hf(gguf)
@@ -110,28 +113,28 @@ def test_damaged_cache_copy_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_eval_json_has_tau_and_per_position_acceptance(target_fp32, tmp_path):
-    code, out, err = _run(["eval", "--drafters", "ngram,cut:20", "--dataset", "gsm8k", "humaneval",
+    code, out, err = _run(["eval", "--drafters", "ngram,cut:8", "--dataset", "gsm8k", "humaneval",
                            "--num-prompts", "2", "--max-new-tokens", "24", "--temperature", "0",
                            "--block", "3", "--dtype", "fp32", "--json"])
     assert code == 0, err
     res = json.loads(out.strip().splitlines()[-1])
     rows = res["results"]
     assert {(r["drafter"], r["benchmark"]) for r in rows} == {
-        (d, b) for d in ("ngram", "cut:20") for b in ("gsm8k", "humaneval")}
+        (d, b) for d in ("ngram", "cut:8") for b in ("gsm8k", "humaneval")}
     for r in rows:
         assert r["tau"] >= 1.0
         assert len(r["acceptance_conditional"]) == len(r["acceptance_unconditional"]) == 3
         u = r["acceptance_unconditional"]
         assert all(0 <= x <= 1 for x in u) and u == sorted(u, reverse=True)   # prefix survival decays
-    assert res["greedy_identity_vs_ngram"]["cut:20"] == 1.0    # greedy: every drafter, the same text
-    assert {c["drafter"] for c in res["ratios"]} == {"ngram", "cut:20"}
+    assert res["greedy_identity_vs_ngram"]["cut:8"] == 1.0    # greedy: every drafter, the same text
+    assert {c["drafter"] for c in res["ratios"]} == {"ngram", "cut:8"}
     _check_merge(res, tmp_path)
 
 
 def _check_merge(res, tmp_path):
     """Drafters evaluated in separate runs compare afterwards as if side by side."""
     paths = []
-    for name in ("ngram", "cut:20"):
+    for name in ("ngram", "cut:8"):
         part = {"settings": res["settings"], "results": [r for r in res["results"] if r["drafter"] == name]}
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text("log line\n" + json.dumps(part) + "\n")

@@ -38,35 +38,70 @@ def _draft_law(prefix, dparams):
     return probs_from_logits(DRAFT[prefix], dparams)
 
 
-def _verify_batched(draft_tokens, draft_probs, target_logits, params, gen):
-    """``verify``'s signature, through verify_batch (a batch of one request)."""
-    out = verify_batch(*stack_requests([(draft_tokens, draft_probs, target_rows(target_logits, params),
-                                         params.greedy, gen)]))
-    assert out[0] is not None
-    return out[0]
-
-
-VERIFIERS = pytest.mark.parametrize("verifier", [verify, _verify_batched], ids=["per_request", "batched"])
-
-
-def _rollout(tparams, dparams, l, gen, verifier, point_mass=False):
+def _rollout(tparams, dparams, l, gen, point_mass=False):
+    """One draw, as a coroutine: yields each round's (draft tokens, draft probabilities or None,
+    target logits [l + 1, V]), is sent (accepted, next token), returns the sequence."""
     out = []
     while len(out) < SEQ:
         drafts, qs = [], []
         for _ in range(l):
             q = _draft_law(tuple(out + drafts), dparams)
-            if point_mass:
-                x = int(q.argmax())
-            else:
-                x = int(sample(q, gen))
+            x = int(q.argmax()) if point_mass else int(sample(q, gen))
             drafts.append(x)
             qs.append(q)
         logits = torch.stack([TARGET[tuple(out + drafts[:i])] for i in range(l + 1)])
-        n, nxt = verifier(torch.tensor(drafts, dtype=torch.long),
-                          None if point_mass else torch.stack(qs) if qs else None,
-                          logits, tparams, gen)
+        n, nxt = yield (torch.tensor(drafts, dtype=torch.long),
+                        None if point_mass else torch.stack(qs) if qs else None, logits)
         out.extend(drafts[:n] + [nxt])
     return tuple(out[:SEQ])
+
+
+def _draws_one_by_one(verifier, tparams, dparams, l, point_mass, seed):
+    """DRAWS sequences, each round verified alone by ``verifier`` (``verify``'s signature)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(DRAWS):
+        co = _rollout(tparams, dparams, l, gen, point_mass)
+        block = next(co)
+        while True:
+            try:
+                block = co.send(verifier(*block, tparams, gen))
+            except StopIteration as done:
+                yield done.value
+                break
+
+
+def _draws_batched(tparams, dparams, l, point_mass, seed, lanes=64):
+    """DRAWS sequences from ``lanes`` rollouts in lockstep, each with its own generator (as the
+    engine's requests have), every round of all lanes verified in one ``verify_batch`` call."""
+    gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(lanes)]
+    started = min(lanes, DRAWS)
+    live = {i: _rollout(tparams, dparams, l, gens[i], point_mass) for i in range(started)}
+    blocks = {i: next(co) for i, co in live.items()}
+    while live:
+        order = list(blocks)
+        rows = target_rows(torch.cat([blocks[i][2] for i in order]), tparams)   # row-wise: one call
+        per = rows.split([blocks[i][2].shape[0] for i in order])
+        got = verify_batch(*stack_requests([(blocks[i][0], blocks[i][1], r, tparams.greedy, gens[i])
+                                            for i, r in zip(order, per)]))
+        for i, res in zip(order, got):
+            assert res is not None
+            try:
+                blocks[i] = live[i].send(res)
+            except StopIteration as done:
+                yield done.value
+                if started < DRAWS:
+                    started += 1
+                    live[i] = _rollout(tparams, dparams, l, gens[i], point_mass)
+                    blocks[i] = next(live[i])
+                else:
+                    del live[i], blocks[i]
+
+
+def _per_request(*args):
+    return _draws_one_by_one(verify, *args)
+
+
+VERIFIERS = pytest.mark.parametrize("draws", [_per_request, _draws_batched], ids=["per_request", "batched"])
 
 
 def _exact(tparams):
@@ -79,12 +114,11 @@ def _exact(tparams):
     return exp
 
 
-def _chi2(tparams, dparams, l, verifier, point_mass=False, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    counts = {}
-    for _ in range(DRAWS):
-        s = _rollout(tparams, dparams, l, gen, verifier, point_mass)
+def _chi2(tparams, dparams, l, draws, point_mass=False, seed=0):
+    counts: dict = {}
+    for s in draws(tparams, dparams, l, point_mass, seed):
         counts[s] = counts.get(s, 0) + 1
+    assert sum(counts.values()) == DRAWS
     exp = _exact(tparams)
     impossible = [s for s, p in exp.items() if p == 0 and counts.get(s, 0)]
     assert not impossible, f"emitted sequences the target can never produce: {impossible[:3]}"
@@ -104,13 +138,13 @@ SETTINGS = [
 
 @VERIFIERS
 @pytest.mark.parametrize("tparams,dparams,l", SETTINGS)
-def test_verifier_keeps_target_distribution(tparams, dparams, l, verifier):
-    assert _chi2(tparams, dparams, l, verifier) > 1e-3
+def test_verifier_keeps_target_distribution(tparams, dparams, l, draws):
+    assert _chi2(tparams, dparams, l, draws) > 1e-3
 
 
 @VERIFIERS
-def test_point_mass_drafts_keep_target_distribution(verifier):
-    assert _chi2(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), 2, verifier,
+def test_point_mass_drafts_keep_target_distribution(draws):
+    assert _chi2(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), 2, draws,
                  point_mass=True) > 1e-3
 
 
@@ -123,7 +157,7 @@ def _biased_verify(draft_tokens, draft_probs, target_logits, params, gen):
 
 def test_biased_verifier_is_caught():
     tparams, dparams, l = SETTINGS[0]
-    assert _chi2(tparams, dparams, l, _biased_verify) < 1e-6
+    assert _chi2(tparams, dparams, l, lambda *a: _draws_one_by_one(_biased_verify, *a)) < 1e-6
 
 
 def test_greedy_accepts_while_draft_matches_argmax():
