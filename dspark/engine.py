@@ -258,7 +258,9 @@ class Engine:
                 if pick is None:
                     waiting.append(req)
                     continue
-                slot, n, source = pick
+                slot, n, source, moves = pick
+                for move in moves:
+                    self.cache.exchange(slot, move.other, move.out, move.into)
                 req.slot = self.cache.allocate(slot, length=0 if source is not None else n)
                 if source is not None:
                     self.cache.copy_prefix(source, slot, n)
@@ -287,7 +289,7 @@ class Engine:
         if req.slot is not None:
             if self.prefix is not None and keep:   # entries past the output (drafts after a stop) are not kept
                 seq = req.prompt_ids + req.output_ids
-                self.prefix.keep(req.slot, seq[:min(self.cache.lengths[req.slot], len(seq))])
+                self.prefix.keep(req.slot, seq[:min(self.cache.lengths[req.slot], len(seq))], len(req.prompt_ids))
             self.cache.free(req.slot)
             req.slot = None
         if req.ctx is not None:

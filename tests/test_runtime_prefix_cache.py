@@ -8,26 +8,85 @@ import torch
 
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
-from dspark.runtime.prefix_cache import PrefixCache
+from dspark.runtime.kv_cache import KVCache
+from dspark.runtime.prefix_cache import Move, Placement, PrefixCache
 from dspark.sampling import SamplingParams
 from dspark.scheduling.policies import FixedPolicy
 
 from _tiny import tiny_drafter_model, tiny_target
 
 
-def test_choose_takes_the_longest_match_over_the_minimum_else_the_lowest_slot():
+def test_choose_brings_the_longest_match_over_the_minimum_to_the_lowest_slot():
     pc = PrefixCache(4, 64, min_match=3)
     pc.keep(1, [1, 2, 3, 4, 5])
     pc.keep(2, [1, 2, 3, 9])
     pc.keep(3, [1, 2])
-    assert pc.choose([0, 1, 2, 3], [1, 2, 3, 4, 7]) == (1, 4, None)
-    assert len(pc.held[1]) == 0                          # taken: its entries are the new request's now
-    assert pc.choose([0, 2, 3], [1, 2, 3, 9]) == (2, 3, None)   # the last prompt token always runs
-    assert pc.choose([0, 3], [1, 2, 8]) == (0, 0, None)         # 2 tokens: under the minimum
+    # slot 1 holds its prompt but the last token: the two slots exchange their entries
+    assert pc.choose([0, 1, 2, 3], [1, 2, 3, 4, 7]) == Placement(0, 4, None, (Move(1, 0, 4),))
+    assert len(pc.held[0]) == 0                          # taken: its entries are the new request's now
+    assert pc.choose([1, 2, 3], [1, 2, 3, 9]) == Placement(1, 3, None, (Move(2, 0, 3),))   # the last token runs
+    assert pc.choose([2, 3], [1, 2, 8]) == Placement(2, 0, None, ())    # 2 tokens: under the minimum
     pc.keep(3, [5, 5, 5, 5])
-    assert pc.choose([0, 3], [5, 5, 5, 5, 1], reusable=False) == (0, 0, None)   # e.g. prompt logprobs asked
-    assert pc.choose([3], [5, 5, 5, 5, 1]) == (3, 4, None)
+    pc.keep(2, [6, 6, 6, 6])
+    # e.g. prompt logprobs asked: no prefix; slot 2's entries are newer than slot 3's, so they stay
+    assert pc.choose([2, 3], [6, 6, 6, 6, 1], reusable=False) == Placement(2, 0, None, (Move(3, 4, 0),))
+    assert pc.held[3].tolist() == [6, 6, 6, 6]
+    assert pc.choose([3], [6, 6, 6, 6, 1]) == Placement(3, 4, None, ())
     assert (pc.queries, pc.hits) == (5 + 4 + 3 + 5, 4 + 3 + 4)
+
+
+def test_free_slots_keep_the_sequences_used_most_recently():
+    """Prompts seen one at a time are all still there for a burst that brings them back (as
+    llama.cpp's server slots keep them), while every request still takes the lowest free slot."""
+    pc = PrefixCache(4, 64, min_match=3)
+    prompts = [[p] * 6 for p in (1, 2, 3, 4, 5)]
+    for prompt in prompts:             # one at a time: each in slot 0, which it leaves holding it
+        assert pc.choose([0, 1, 2, 3], prompt).slot == 0
+        pc.keep(0, prompt)
+    assert sorted(tuple(h[:1]) for h in pc.held) == [(2,), (3,), (4,), (5,)]   # the oldest dropped
+    free = [0, 1, 2, 3]
+    for prompt in prompts[1:]:         # a burst of the four kept: every one found, slots 0, 1, 2, 3
+        pl = pc.choose(free, prompt)
+        assert (pl.slot, pl.cached) == (free[0], 5)
+        free.remove(pl.slot)
+    assert pc.choose([0], prompts[0]) == Placement(0, 0, None, ())
+
+
+def test_a_shared_preamble_is_copied_and_the_sequences_that_share_it_stay():
+    pc = PrefixCache(3, 64, min_match=3)
+    pre = [9, 9, 9, 9]
+    pc.keep(0, pre + [1, 1, 1, 0], prompt_len=7)      # prompt pre + [1, 1, 1], answer [0]
+    # another question after the same preamble: reused in place, slot 0's sequence copied aside first
+    assert pc.choose([0, 1, 2], pre + [2, 2]) == Placement(0, 4, None, (Move(1, 8, 0),))
+    assert pc.held[1].tolist() == pre + [1, 1, 1, 0]
+    pc.keep(0, pre + [2, 2, 5], prompt_len=6)
+    # slot 1 holds more of it but not its whole prompt: copied from there, slot 1 keeps its sequence
+    # and slot 0's goes to slot 2 (the least recently used)
+    assert pc.choose([0, 1, 2], pre + [1, 3, 3]) == Placement(0, 5, None, (Move(2, 7, 0), Move(1, 0, 5)))
+    assert pc.held[1].tolist() == pre + [1, 1, 1, 0] and pc.held[2].tolist() == pre + [2, 2, 5]
+
+
+def test_an_exchange_moves_the_entries_and_features_with_their_tokens():
+    cache = KVCache(2, 1, 2, num_slots=3, max_len=8, dtype=torch.float32)
+    for k in cache.k + cache.v:
+        k.copy_(torch.randn(k.shape))
+    before = [t.clone() for t in cache.k + cache.v]
+    pc = PrefixCache(3, 8, min_match=2)
+    pc.store_features(1, 0, torch.randn(5, 4))
+    pc.store_features(0, 0, torch.randn(3, 4))
+    f0, f1 = pc.features[0, :3].clone(), pc.features[1, :5].clone()
+    pc.keep(1, [7, 7, 7, 7, 7])
+    pc.keep(0, [8, 8, 8])
+    pl = pc.choose([0, 1, 2], [7, 7, 7, 7, 1])
+    assert pl == Placement(0, 4, None, (Move(1, 3, 4),))
+    cache.exchange(pl.slot, *pl.moves[0])
+    for t, b in zip(cache.k + cache.v, before):
+        assert torch.equal(t[0, :, :4], b[1, :, :4]) and torch.equal(t[1, :, :3], b[0, :, :3])
+        assert torch.equal(t[2], b[2])
+    assert torch.equal(pc.features[0, :4], f1[:4]) and torch.equal(pc.features[1, :3], f0)
+    assert pc.held[1].tolist() == [8, 8, 8] and pc.choose([1, 2], [8, 8, 8, 2]) == Placement(1, 3, None, ())
+    with pytest.raises(ValueError, match="free"):
+        cache.exchange(0, 0, 1, 1)
 
 
 def test_choose_copies_from_a_request_in_flight_or_waits_for_its_prefill():
@@ -35,15 +94,15 @@ def test_choose_copies_from_a_request_in_flight_or_waits_for_its_prefill():
     pc.keep(2, [7, 7, 7])
     prompt = [7, 7, 7, 7, 8, 9]
     # slot 0 decodes and has computed 5 of the prompt's tokens: copy them into the lowest free slot
-    assert pc.choose([1, 2, 3], prompt, running=[(0, [7, 7, 7, 7, 8, 1], None)]) == (1, 5, 0)
-    # a free slot that holds as much is taken in place
+    assert pc.choose([1, 2, 3], prompt, running=[(0, [7, 7, 7, 7, 8, 1], None)]) == Placement(1, 5, 0, ())
+    # a free slot that holds as much of its prompt: exchanged with the lowest free slot
     pc.keep(3, [7, 7, 7, 7, 8])
-    assert pc.choose([2, 3], prompt, running=[(0, [7, 7, 7, 7, 8, 1], None)]) == (3, 5, None)
+    assert pc.choose([2, 3], prompt, running=[(0, [7, 7, 7, 7, 8, 1], None)]) == Placement(2, 5, None, (Move(3, 3, 5),))
     # slot 0 is prefilling this prompt and has computed none of it: wait for it rather than repeat it
     assert pc.choose([1], prompt, running=[(0, [], prompt)]) is None
     # ... unless a free slot already holds nearly as much (5 tokens to come, 3 there)
     pc.keep(2, [7, 7, 7])
-    assert pc.choose([1, 2], prompt, running=[(0, [], prompt)]) == (2, 3, None)
+    assert pc.choose([1, 2], prompt, running=[(0, [], prompt)]) == Placement(1, 3, None, (Move(2, 0, 3),))
 
 
 def _engine(target, drafter, caching, **kw):
@@ -170,3 +229,33 @@ def test_a_follow_up_copies_the_entries_of_a_request_still_decoding():
     assert (outs[1][1].stats.num_draft_tokens, outs[1][1].stats.num_accepted_tokens) == \
            (outs[0][1].stats.num_draft_tokens, outs[0][1].stats.num_accepted_tokens)
     assert outs[1][1].stats.num_cached_tokens == len(first_prompt) + 3
+
+
+def test_prompts_seen_one_at_a_time_are_all_found_by_a_burst_and_give_the_same_output():
+    """Each request takes slot 0 in turn, reusing the shared preamble; the sequences it leaves are
+    copied aside rather than overwritten, so a burst of the same prompts finds every one (keys,
+    values and the drafter's features moved between free slots) and emits what a run without the
+    cache emits."""
+    target = tiny_target(scale=3.0)
+    preamble = [1, 2, 3, 4, 0, 2]                     # shared by all three (a system prompt)
+    prompts = [preamble + [k, 1, 3, 2, 0] for k in range(3)]
+    params = SamplingParams(temperature=1.0, seed=5)
+    runs = []
+    for caching in (False, True):
+        e = Engine(target, _drafter(target), FixedPolicy(3), max_requests=3, max_len=96, block_size=3,
+                   prefix_caching=caching, prefix_min_match=4)
+        alone = []
+        for p in prompts:
+            alone.append(e.add_request(p, params, 6))
+            e.run()
+        if caching:
+            assert [r.stats.num_cached_tokens for r in alone] == [0, len(preamble), len(preamble)]
+        burst = [e.add_request(p, params, 8) for p in reversed(prompts)]
+        e.run()
+        runs.append(burst)
+    for a, b in zip(*runs):
+        assert b.output_ids == a.output_ids
+        assert (b.stats.num_draft_tokens, b.stats.num_accepted_tokens) == \
+               (a.stats.num_draft_tokens, a.stats.num_accepted_tokens)
+    assert [r.stats.num_cached_tokens for r in runs[1]] == [len(p) - 1 for p in reversed(prompts)]
+    assert [r.stats.num_cached_tokens for r in runs[0]] == [0, 0, 0]

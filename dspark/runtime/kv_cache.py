@@ -66,6 +66,18 @@ class KVCache:
         self._free.append(slot)
         self._free.sort(reverse=True)
 
+    def exchange(self, a: int, b: int, out: int, into: int) -> None:
+        """Between two free slots: a's first ``out`` entries go to b and b's first ``into`` come to a,
+        nothing erased (so ``into=0`` copies a to b, ``out=0`` b to a). Prefix caching moves cached
+        sequences between free slots with it; their lengths stay 0."""
+        if a == b or a not in self._free or b not in self._free:
+            raise ValueError(f"slots {a} and {b} must be two free slots")
+        for cache in (self.k, self.v):
+            for t in cache:
+                moved = t[a, :, :out].clone()
+                t[a, :, :into] = t[b, :, :into]
+                t[b, :, :out] = moved
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Give ``dst`` the first n entries of ``src`` (a shared prefix; dst's length becomes n)."""
         if not 0 <= n <= self.lengths[src]:
