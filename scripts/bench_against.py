@@ -2,7 +2,9 @@
 
 The two checkouts' runs alternate (this, other, other, this, ...), each alone on the machine, in
 one script, so that both see the same hours of a drifting VM; each cell is the median over the
-rounds and the ratio is this checkout's over the other's. The other commit is checked out into a
+rounds and the ratio is this checkout's over the other's. Accept lengths are reported beside the
+speeds: where they differ, the two commits drafted differently (their committed drafters), and the
+speed ratio mixes runtime and drafter. The other commit is checked out into a
 temporary git worktree and imported ahead of the installed package (PYTHONPATH), with the same
 virtual environment; the bench's arguments must mean the same on both commits.
 
@@ -23,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METRICS = ("tokens_per_second", "total_tokens_per_second", "ttft_p50_ms")
+METRICS = ("tokens_per_second", "total_tokens_per_second", "ttft_p50_ms", "accept_length")
 
 
 def run_bench(checkout: Path, bench: list[str]) -> list[dict]:

@@ -31,14 +31,16 @@ def rest_s(requests):
     return 0.0005 * requests
 
 
-def timed(lengths, prefill=0, free=()):
-    """A step's outcome as the engine times it: each request drafting and verifying ``lengths[i]``
-    (a lookup's free block where i is in ``free``), ``prefill`` prompt tokens beside them."""
+def timed(lengths, prefill=0, free=(), drafted=None):
+    """A step's outcome as the engine times it: each request drafting ``drafted[i]`` (default
+    ``lengths[i]``) and verifying ``lengths[i]`` (a lookup's free block where i is in ``free``),
+    ``prefill`` prompt tokens beside them."""
+    drafted = lengths if drafted is None else drafted
     rows = prefill + sum(1 + n for n in lengths)
-    calls = [n for i, n in enumerate(lengths) if n and i not in free]
+    calls = [n for i, n in enumerate(drafted) if n and i not in free]
     draft = draft_s(len(calls), sum(calls) / len(calls)) if calls else 0.0
     fwd = forward_s(rows)
-    outs = tuple(RequestOutcome(i, n, n, 0, free=i in free) for i, n in enumerate(lengths))
+    outs = tuple(RequestOutcome(i, d, n, 0, free=i in free) for i, (d, n) in enumerate(zip(drafted, lengths)))
     return StepOutcome(outs, fwd + draft + rest_s(len(lengths)), decode_only=not prefill,
                        forward_rows=rows, forward_seconds=fwd, draft_seconds=draft)
 
@@ -88,18 +90,22 @@ def test_learned_costs_persist_and_a_bad_file_starts_afresh(tmp_path, caplog):
     assert not LearnedCosts.load_or_new("k", BLOCK, path).forward
 
 
-def drive(policy, n_requests, steps, accept=lambda p: 0):
+def drive(policy, n_requests, steps, accept=lambda p: 0, confidence=0.9, drafted=None):
     """Run ``steps`` steps of ``n_requests`` decoding requests through the policy, timed by the
-    synthetic costs; returns the depths each step drafted."""
+    synthetic costs; returns the lengths each step verified (and appends to ``drafted`` the lengths
+    each step drafted)."""
     reqs = requests(n_requests)
     plans = []
     for _ in range(steps):
         want = policy.draft_lengths(reqs, BLOCK, [0] * n_requests)
-        props = [Proposal(torch.ones(w, dtype=torch.long), None, torch.full((w,), 0.9)) if w else Proposal.empty()
+        if drafted is not None:
+            drafted.append(list(want))
+        conf = torch.tensor(confidence if isinstance(confidence, list) else [confidence] * BLOCK)
+        props = [Proposal(torch.ones(w, dtype=torch.long), None, conf[:w]) if w else Proposal.empty()
                  for w in want]
         lengths = policy.verify_lengths(reqs, props)
         plans.append(list(lengths))
-        out = timed(lengths)
+        out = timed(lengths, drafted=[len(p) for p in props])
         out = StepOutcome(tuple(RequestOutcome(o.request_id, o.drafted, o.verified, min(o.verified, accept(o)))
                                 for o in out.requests), out.seconds, True, (), out.forward_rows,
                           out.forward_seconds, out.draft_seconds)
@@ -110,10 +116,11 @@ def drive(policy, n_requests, steps, accept=lambda p: 0):
 def test_auto_measures_the_shapes_it_lacks_then_hands_over(tmp_path):
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
     policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
-    plans = drive(policy, 4, 40, accept=lambda o: o.verified)    # every draft accepted: drafting pays
-    # the whole block twice, every request alike (the drafter's call; the forward learns from every
-    # step), then the prefix policy decides
-    assert plans[:2] == [[BLOCK] * 4, [BLOCK] * 4]
+    drafted: list = []
+    plans = drive(policy, 4, 40, accept=lambda o: o.verified, drafted=drafted)   # every draft accepted
+    # the whole block drafted twice, every request alike (the drafter's call; the forward learns
+    # from every step), then the prefix policy decides
+    assert drafted[:2] == [[BLOCK] * 4, [BLOCK] * 4]
     assert costs.missing(4) is None and policy._explored == {8: 2} and policy.measuring_steps == 2
     assert policy.measuring is None and policy.inner.cost.table is not None
     assert max(map(max, plans[-10:])) > 0                       # the prefix policy drafts: it pays
@@ -121,8 +128,11 @@ def test_auto_measures_the_shapes_it_lacks_then_hands_over(tmp_path):
     drive(policy, 1, 5)
     drive(policy, 16, 5)
     assert policy._explored == {8: 2}
-    drive(policy, 256, 4)        # beyond 4 times any load the drafter was timed at: it is timed there
-    assert policy._explored[32] == 2 and costs.missing(256) is None
+    # beyond 4 times any load the drafter was timed at: it is timed there, until the search, on the
+    # prices of that timing, finds that drafting does not pay there (its verification dearer)
+    plans = drive(policy, 256, 4, drafted=drafted)
+    assert policy._explored[32] == 1 and drafted[-4] == [BLOCK] * 256 and not any(map(any, plans[-3:]))
+    assert policy._pays[32] is False
 
 
 def test_auto_measuring_is_bounded_when_a_shape_never_comes(tmp_path):
@@ -213,7 +223,54 @@ def test_serving_policy_says_what_it_prices_with(tmp_path, monkeypatch, caplog):
 def test_auto_spends_no_measuring_at_a_load_above_one_where_drafting_did_not_pay(tmp_path):
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
     policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=64)
-    drive(policy, 2, 20)                       # nothing accepted: drafting never pays
-    assert policy._explored == {4: 2} and not policy.inner.drafting_ratio >= 1.0
+    drive(policy, 2, 20, confidence=0.02)      # nothing accepted (nor promised): drafting never pays
+    # one step measures (no prices at all yet), then the search says drafting does not pay
+    assert policy._explored == {4: 1} and not policy.inner.drafting_ratio >= 1.0
     plans = drive(policy, 64, 5)
     assert 24 not in policy._explored and all(not any(p) for p in plans)
+
+
+def test_a_decoding_step_is_priced_from_the_decoding_steps_at_its_load(tmp_path):
+    # a decoding step pays per request what a prefill of as many rows does not, and its few
+    # verified tokens per request cost more per row than a prompt's rows
+    def decode_fwd(R, rows):
+        return 0.010 + 0.001 * R + 0.0015 * (rows - R)
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for rows in (20, 40, 64, 100, 400):
+        for _ in range(3):
+            costs.observe(timed([], prefill=rows))      # prefills alone: forward_s(rows)
+    R = 32
+    for v in (0, 1):
+        for _ in range(3):
+            o = timed([v] * R)
+            fwd = decode_fwd(R, o.forward_rows)
+            costs.observe(StepOutcome(o.requests, fwd + o.draft_seconds + rest_s(R), True,
+                                      forward_rows=o.forward_rows, forward_seconds=fwd,
+                                      draft_seconds=o.draft_seconds))
+    truth = decode_fwd(R, 2 * R)
+    assert costs.forward_seconds(R, 2 * R) == pytest.approx(truth, rel=0.05)
+    assert abs(costs.forward(2 * R) - truth) > 0.2 * truth     # what the prefill-led curve said
+    # beyond the rows seen at this load: the all-steps curve's increments on top
+    more = costs.forward_seconds(R, 4 * R)
+    assert more == pytest.approx(truth + forward_s(4 * R) - forward_s(2 * R), rel=0.05)
+    # a load no decoding step came near: the all-steps curve
+    assert costs.forward_seconds(2, 6) == costs.forward(6)
+    assert costs.table(R).step_seconds(R, 1, 64) == pytest.approx(
+        truth + rest_s(R) + costs.drafter_seconds(R, 1), rel=0.05)
+    costs.save()
+    assert LearnedCosts.load_or_new("k", BLOCK, tmp_path / "c.json").forward_seconds(R, 2 * R) == \
+        costs.forward_seconds(R, 2 * R)
+
+
+def test_a_measuring_step_drafts_the_whole_block_and_verifies_what_pays(tmp_path):
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for rows in (4, 80):                        # the requests' prompts prefilled: the forward is priced
+        costs.observe(timed([], prefill=rows))
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
+    drafted: list = []
+    plans = drive(policy, 4, 3, accept=lambda o: o.verified, confidence=[0.9, 0.1, 0.02], drafted=drafted)
+    # the drafter's call is timed at this load (the whole block, every request), but of the drafts
+    # only those that promise enough are verified
+    assert drafted[:2] == [[BLOCK] * 4, [BLOCK] * 4] and policy.measuring_steps == 2
+    assert 0 < sum(plans[0]) + sum(plans[1]) < 2 * BLOCK * 4
+    assert costs.missing(4) is None

@@ -6,10 +6,15 @@ Otherwise the costs come from ``LearnedCosts``: loaded from the cache when an ea
 machine learned them, else learned now, from every step the engine times. The one part the steps a
 policy chooses may never show is the drafter's call at a new load (a policy that finds drafting
 dear stops drafting); so, until the drafter has been timed drafting the whole block for a number of
-requests within a factor of 4 of the current one, the policy runs such a step itself: a regular,
-lossless decoding step, which costs only what it yields below the best one (at most
-``explore_steps`` per load). After each measuring step and every ``reprice_every`` steps the table
-the inner policy prices with is rebuilt from the costs, and they are saved (every ``save_every``
+requests within a factor of 4 of the current one, the policy runs such a step itself: every
+request drafts the whole block, and the inner policy verifies of it what pays on the prices known
+so far (the drafter's call is spent by then; verifying the whole block too would cost a 32-request
+step four times a plain one and teach nothing the decoding steps do not). A regular, lossless
+decoding step, which costs only the drafter's call beyond what the inner policy would have run (at
+most ``explore_steps`` per load). After each measuring step, each decoding step of a shape the costs had
+seen only a few times at its load (a load's first verifying steps teach what its verification
+costs) and every ``reprice_every`` steps the table the inner policy prices with is rebuilt from the
+costs, and they are saved (every ``save_every``
 steps once measured).
 """
 
@@ -48,30 +53,29 @@ class AutoPolicy(Policy):
         inner.reprice(costs.table(max_requests))
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None) -> list[int]:
+        # the inner policy decides first, on the prices known so far (where there are none yet, the
+        # step measures); its search also says whether drafting pays at this load
+        priced = self.inner.cost.table is not None
+        out = self.inner.draft_lengths(requests, block_size, free) if priced else None
+        if requests and priced:
+            self._pays[bucket(len(requests))] = self.inner.drafting_ratio >= 1.0
         self.measuring = self._shape_to_measure(len(requests))
         if self.measuring is not None:
             return [self.measuring] * len(requests)
-        out = self.inner.draft_lengths(requests, block_size, free)
-        if requests and self.inner.cost.table is not None:
-            self._pays[bucket(len(requests))] = self.inner.drafting_ratio >= 1.0
-        return out
+        return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
 
     def verify_lengths(self, requests, proposals) -> list[int]:
-        if self.measuring is None:
-            return self.inner.verify_lengths(requests, proposals)
-        lengths = [len(p) for p in proposals]
-        self.inner.decided_elsewhere(requests, lengths)
-        return lengths
+        return self.inner.verify_lengths(requests, proposals)
 
     def observe(self, outcome: StepOutcome) -> None:
         if self.measuring is not None:
             self.measuring_steps += 1
             self.measuring_seconds += outcome.seconds
-        self.costs.observe(outcome)
+        new_shape = self.costs.observe(outcome)
         self.inner.observe(outcome)
         self._since_price += 1
         self._since_save += 1
-        if self._since_price >= self.reprice_every or self.measuring is not None:
+        if self._since_price >= self.reprice_every or self.measuring is not None or new_shape:
             self._since_price = 0
             self.inner.reprice(self.costs.table(self.max_requests))
         if self._since_save >= self.save_every or self.measuring is not None:
@@ -90,8 +94,13 @@ class AutoPolicy(Policy):
             return None
         # on a CPU a step's verification grows with the load faster than its fixed part: where
         # drafting did not pay at a lighter load, it will not at this one, and the costs priced on
-        # from the lighter loads are enough to say so (no measuring step spent on it)
-        if any(not pays for lighter, pays in self._pays.items() if lighter < b):
+        # from the lighter loads are enough to say so (no measuring step spent on it). Nor where the
+        # search at this load found that it does not pay with the drafter's call priced on from the
+        # lighter loads: that price (the drafter's curve carried on linearly, flat from a single
+        # load) is close to what a batched call costs, rarely far above it, so measuring would
+        # seldom change the answer, and a measuring step at 32 requests costs the drafter's call
+        # over every request's whole block and its prompt's features, several plain steps' worth.
+        if any(not pays for lighter, pays in self._pays.items() if lighter <= b):
             return None
         depth = self.costs.missing(requests)
         if depth is None:

@@ -7,8 +7,14 @@ with a forward, so deep), and the rest (verification, sampling, the engine's own
 the requests). The engine times the forward and the drafter's call of every step; ``LearnedCosts``
 keeps recent samples of each part in buckets (rows, requests and depth on a log scale), and prices
 any step from them by interpolation. Each part is learned from every step, prefilling ones included:
-the forward's cost depends on its rows alone, whichever request they serve, so a server whose steps
-always admit someone (many short requests) learns as well as one that only decodes.
+the forward's cost depends mostly on its rows, whichever request they serve, so a server whose steps
+always admit someone (many short requests) learns as well as one that only decodes. Mostly: a
+decoding step of R requests pays per request (R contexts attended, R ragged blocks laid out) what a
+prefill of as many rows does not, and a few verified tokens per request cost it more per row than
+a prompt's rows (on a 2-core Zen 4, 32 requests verifying 22 tokens in all took 185 ms against 115
+for none; the all-steps curve said 150). So decoding steps are also kept by their load: a decoding
+step is priced from the decoding steps seen at about its number of requests, and beyond the rows
+seen there by the all-steps curve's increments.
 
 ``table`` turns the learned parts into the ``CostTable`` the load-aware policies price with, and the
 samples persist per machine / target / drafter / dtype / threads, so a second run starts priced.
@@ -130,18 +136,26 @@ class LearnedCosts:
         self.block = block
         self.path = path
         self.forward = Curve()                  # seconds of the target's forward, by rows
+        self.decode: dict[int, Curve] = {}      # requests bucket -> the same, decoding steps only
         self.rest = Curve()                     # the step less forward and drafter, by requests
         self.draft: dict[int, Curve] = {}       # depth -> seconds of the drafter's call, by requests drafting
         self.timed: dict[int, int] = {}         # requests bucket -> steps the whole block was timed at
         self.observed = 0                       # steps learned from, since made or loaded
 
     # ------------------------------------------------------------------ learning
-    def observe(self, o: StepOutcome) -> None:
-        """Learn from one step the engine timed (``forward_rows`` > 0)."""
+    def observe(self, o: StepOutcome) -> bool:
+        """Learn from one step the engine timed (``forward_rows`` > 0). True when it was a decoding
+        step of a shape seen fewer than ``SAMPLES // 2`` times at its load (the prices it changes
+        are worth repricing with at once)."""
         if o.forward_rows <= 0:
-            return
+            return False
         self.forward.add(o.forward_rows, o.forward_seconds)
         R = len(o.requests)
+        new = False
+        if R and o.decode_only:
+            curve = self.decode.setdefault(bucket(R), Curve())
+            new = curve.count(o.forward_rows, within=0) < SAMPLES // 2
+            curve.add(o.forward_rows, o.forward_seconds)
         if R:
             self.rest.add(R, max(0.0, o.seconds - o.forward_seconds - o.draft_seconds))
         calls = [r.drafted for r in o.requests if r.drafted and not r.free and not r.forced]
@@ -152,6 +166,7 @@ class LearnedCosts:
                 b = bucket(R)
                 self.timed[b] = self.timed.get(b, 0) + 1
         self.observed += 1
+        return new
 
     def missing(self, requests: int) -> int | None:
         """A depth to run a step at, every request drafting it, so that the costs can price steps
@@ -164,6 +179,21 @@ class LearnedCosts:
         if sum(n for k, n in self.timed.items() if abs(k - b) <= 8) < 2:
             return self.block
         return None
+
+    def forward_seconds(self, requests: int, rows: int) -> float:
+        """The target's forward in a decoding step of ``requests`` requests over ``rows`` rows: from
+        the decoding steps seen at the nearest load within ~40 % (two buckets), up to the most rows
+        seen there, plus the all-steps curve's increment beyond them; the all-steps curve alone
+        where no decoding step was seen at about that load."""
+        b = bucket(requests)
+        near = [k for k in self.decode if abs(k - b) <= 2 and self.decode[k]]
+        if not near:
+            return self.forward(rows)
+        c = self.decode[min(near, key=lambda k: (abs(k - b), -k))]
+        top = max(x for s in c.buckets.values() for x, _ in s)
+        if rows <= top:
+            return c(rows)
+        return c(top) + max(0.0, self.forward(rows) - self.forward(top))
 
     def drafter_seconds(self, requests: int, depth: int) -> float:
         """The drafter's call for ``requests`` requests ``depth`` deep: measured at that depth, or
@@ -186,13 +216,14 @@ class LearnedCosts:
         seconds, draft = [], []
         for R in requests:
             d_row = [self.drafter_seconds(R, v) for v in verified]
-            seconds.append([self.forward(R * (1 + v)) + self.rest(R) + dv for v, dv in zip(verified, d_row)])
+            seconds.append([self.forward_seconds(R, R * (1 + v)) + self.rest(R) + dv for v, dv in zip(verified, d_row)])
             draft.append(d_row)
         return CostTable(self.key, requests, verified, [1], [seconds], machine=machine_id(), draft=[draft])
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict:
         return {"key": self.key, "block": self.block, "forward": self.forward.to_json(),
+                "decode": {str(b): c.to_json() for b, c in self.decode.items()},
                 "rest": self.rest.to_json(), "draft": {str(d): c.to_json() for d, c in self.draft.items()},
                 "timed": {str(b): n for b, n in self.timed.items()}}
 
@@ -219,6 +250,7 @@ class LearnedCosts:
             if d.get("key") != key or int(d.get("block", -1)) != block:
                 raise ValueError("made for another drafter or block size")
             costs.forward = Curve.from_json(d["forward"])
+            costs.decode = {int(k): Curve.from_json(v) for k, v in d.get("decode", {}).items()}
             costs.rest = Curve.from_json(d["rest"])
             costs.draft = {int(k): Curve.from_json(v) for k, v in d["draft"].items()}
             costs.timed = {int(k): int(v) for k, v in d["timed"].items()}

@@ -105,12 +105,6 @@ class LoadAwarePolicy(Policy, Generic[St]):
         self.cost.table = cost_table
         self._no_key = None
 
-    def decided_elsewhere(self, requests, lengths: list[int]) -> None:
-        """A step whose lengths another policy chose (the auto policy measuring a step's parts): the
-        profile counts them as tries, as if this policy had chosen them."""
-        self._refresh(requests, self.block or max(lengths, default=1))
-        self._record(requests, lengths)
-
     def _unpriced(self, requests) -> list[int] | None:
         """Without a cost table, nothing can say whether drafting pays: plain decoding (never the
         whole block on trust), said once. None when there is a table."""
