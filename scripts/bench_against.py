@@ -4,9 +4,9 @@ The two checkouts' runs alternate (this, other, other, this, ...), each alone on
 one script, so that both see the same hours of a drifting VM; each cell is the median over the
 rounds and the ratio is this checkout's over the other's. Accept lengths are reported beside the
 speeds: where they differ, the two commits drafted differently (their committed drafters), and the
-speed ratio mixes runtime and drafter. The other commit is checked out into a
-temporary git worktree and imported ahead of the installed package (PYTHONPATH), with the same
-virtual environment; the bench's arguments must mean the same on both commits.
+speed ratio mixes runtime and drafter. The other commit is checked out into a temporary git
+worktree and imported ahead of the installed package (PYTHONPATH), with the same virtual
+environment; the bench's arguments must mean the same on both commits.
 
     python scripts/bench_against.py --against ab3f074 --rounds 2 -- speed --systems plain,dspark@prefix,ngram+dspark --threads 2
     python scripts/bench_against.py --against ab3f074 -- concurrency --drafter ngram+dspark --policies plain,fixed --concurrency 1,8,32

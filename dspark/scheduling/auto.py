@@ -8,14 +8,13 @@ policy chooses may never show is the drafter's call at a new load (a policy that
 dear stops drafting); so, until the drafter has been timed drafting the whole block for a number of
 requests within a factor of 4 of the current one, the policy runs such a step itself: every
 request drafts the whole block, and the inner policy verifies of it what pays on the prices known
-so far (the drafter's call is spent by then; verifying the whole block too would cost a 32-request
-step four times a plain one and teach nothing the decoding steps do not). A regular, lossless
-decoding step, which costs only the drafter's call beyond what the inner policy would have run (at
-most ``explore_steps`` per load). After each measuring step, each decoding step of a shape the costs had
-seen only a few times at its load (a load's first verifying steps teach what its verification
+so far (the drafter's call is spent by then; verifying the whole block too would cost a heavy load
+several plain steps and teach nothing the decoding steps do not). A regular, lossless decoding
+step, which costs only the drafter's call beyond what the inner policy would have run (at most
+``explore_steps`` per load). After each measuring step, each decoding step of a shape the costs
+had seen only a few times at its load (a load's first verifying steps teach what its verification
 costs) and every ``reprice_every`` steps the table the inner policy prices with is rebuilt from the
-costs, and they are saved (every ``save_every``
-steps once measured).
+costs, and they are saved (every ``save_every`` steps once measured).
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""Every engine step of the `auto` policy beside plain decoding, as `dspark bench concurrency
+--fresh-costs` runs them (interleaved, one learned-cost store shared by the levels), with the seconds
+the auto policy's prices predicted for each step (context priced at 128) and what it measured.
+
+    python scripts/auto_steps.py --concurrency 1,8,32 --json steps.json
+
+Prints each level's tokens/s and, for the last level's decoding steps at the most requests, the
+measured and predicted seconds grouped by the tokens verified beyond the anchors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from dspark.api import encode_prompt
+from dspark.data import load_prompts
+from dspark.drafters import load_drafter
+from dspark.evaluation.concurrency import _policy, closed_loop, interleave
+from dspark.runtime.loading import load_target
+from dspark.sampling import SamplingParams
+from dspark.scheduling.learned import LearnedCosts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--drafter", default="ngram+dspark")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write every step here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    target = load_target(dtype="bf16")
+    texts = [t for d in ("humaneval", "gsm8k", "mt-bench") for t in load_prompts(d)][:a.num_prompts]
+    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
+    learned, steps = LearnedCosts("auto_steps", 7), []
+    levels = [int(x) for x in a.concurrency.split(",")]
+    for c in levels:
+        plain, _ = _policy("plain", 7)
+        auto, _ = _policy("auto", 7, None, learned, c)
+        inner_observe = auto.observe
+
+        def observe(o, c=c, auto=auto, inner_observe=inner_observe):
+            calls = [r.drafted for r in o.requests if r.drafted and not r.free]
+            pred = (auto.inner.cost.seconds(len(o.requests), sum(r.verified for r in o.requests), 128, len(calls),
+                                            sum(calls) / max(1, len(calls)))
+                    if auto.inner.cost.table is not None and o.requests else None)
+            steps.append({"concurrency": c, "requests": len(o.requests), "verified": sum(r.verified for r in o.requests),
+                          "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
+                          "predicted": pred, "decode_only": o.decode_only, "measuring": auto.measuring is not None})
+            inner_observe(o)
+        auto.observe = observe
+        res = interleave([closed_loop(target, load_drafter(a.drafter, target), plain, prompts, c, a.max_new_tokens,
+                                      SamplingParams(temperature=0), 7, label="plain"),
+                          closed_loop(target, load_drafter(a.drafter, target), auto, prompts, c, a.max_new_tokens,
+                                      SamplingParams(temperature=0), 7, label="auto")])
+        print(f"concurrency {c}: plain {res[0]['total_tokens_per_second']:.1f} tok/s, auto "
+              f"{res[1]['total_tokens_per_second']:.1f} (accept length {res[1]['accept_length']:.2f}, "
+              f"{res[1]['setup_steps']} measuring steps)")
+    top = max(s["requests"] for s in steps if s["concurrency"] == levels[-1])
+    last = [s for s in steps if s["concurrency"] == levels[-1] and s["decode_only"] and s["requests"] >= top - 2
+            and s["predicted"] is not None]
+    print(f"decoding steps of {top - 2}-{top} requests at concurrency {levels[-1]}: verified -> steps, measured / predicted ms (medians)")
+    for lo, hi in ((0, 0), (1, 5), (6, 20), (21, 10 ** 6)):
+        g = [s for s in last if lo <= s["verified"] <= hi]
+        if g:
+            print(f"  {lo}-{hi if hi < 10 ** 6 else 'more'}: {len(g)} steps, {1e3 * statistics.median(s['seconds'] for s in g):.0f}"
+                  f" / {1e3 * statistics.median(s['predicted'] for s in g):.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(steps, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
