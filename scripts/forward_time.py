@@ -38,7 +38,8 @@ def load_other(checkout: Path, dtype: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1x1,1x8,8x8,32x1,32x8", help="RxN pairs: requests x new tokens")
+    ap.add_argument("--shapes", default="1x1,1x8,8x8,32x1,32x8",
+                    help="RxN pairs: requests x new tokens; joined by + for a mixed step (31x1+1x8)")
     ap.add_argument("--context", type=int, default=256, help="cached tokens per request")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--dtype", default="bf16")
@@ -55,12 +56,14 @@ def main():
     g = torch.Generator().manual_seed(0)
     out = []
     for shape in args.shapes.split(","):
-        r, n = (int(x) for x in shape.split("x"))
+        # new tokens per request, in slot order: "4x1+1x8" = four decoding rows, then a block of 8
+        news = [int(n) for part in shape.split("+") for r, n in [part.split("x")] for _ in range(int(r))]
+        r = len(news)
         ctx_ids = torch.randint(0, 1000, (args.context,), generator=g)
-        ids = torch.randint(0, 1000, (r * n,), generator=g)
+        ids = torch.randint(0, 1000, (sum(news),), generator=g)
         runs = {}
         for name, model in models.items():
-            cache = model.new_cache(r, args.context + n + 1)
+            cache = model.new_cache(r, args.context + max(news) + 1)
             slots = [cache.allocate() for _ in range(r)]
             for s in slots:
                 model(ctx_ids, [(s, args.context)], cache, logits_rows=None)
@@ -68,13 +71,13 @@ def main():
         for i in range(args.repeats + 1):   # the first call warms up and is not counted
             for model, cache, slots, times in runs.values():
                 t0 = time.perf_counter()
-                model(ids, [(s, n) for s in slots], cache, logits_rows="all")
+                model(ids, list(zip(slots, news)), cache, logits_rows="all")
                 if i:
                     times.append(time.perf_counter() - t0)
                 for s in slots:
                     cache.truncate(s, args.context)
         med = {name: sorted(v[3])[len(v[3]) // 2] for name, v in runs.items()}
-        cell = f"{r}x{n}: {1000 * med['this']:.1f} ms"
+        cell = f"{shape}: {1000 * med['this']:.1f} ms"
         if "other" in med:
             cell += f" / other {1000 * med['other']:.1f} ms ({med['other'] / med['this']:.3f})"
         out.append(cell)

@@ -98,3 +98,23 @@ def test_non_causal_blocks_see_all_their_keys(starts):
         end = start + n
         attend(qs[i * 3:i * 3 + 3], kc[slot, :, :end], vc[slot, :, :end], None, ref[i * 3:i * 3 + 3])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_rows_and_blocks_batch_apart():
+    """One block among decoding rows does not pad every row to the block's length: the rows and the
+    blocks go into separate batches, and together they give every segment's own attention."""
+    segments = [(0, 1), (1, 8), (2, 1), (3, 1), (4, 3), (5, 1)]
+    starts = [9, 4, 12, 3, 7, 10]
+    row_starts = [sum(n for _, n in segments[:i]) for i in range(len(segments))]
+    batches = SlotBatch.plan(segments, starts, row_starts, "cpu")
+    assert sorted((b.rows, b.members) for b in batches) == [(1, frozenset({0, 2, 3, 5})), (8, frozenset({1, 4}))]
+    g = torch.Generator().manual_seed(5)
+    kc, vc = torch.randn(6, HKV, MAX_LEN, HD, generator=g), torch.randn(6, HKV, MAX_LEN, HD, generator=g)
+    qs = torch.randn(15, H, HD, generator=g)
+    out = torch.full((15, H * HD), float("nan"))
+    for b in batches:
+        b.attend(qs, kc, vc, None, out)
+    torch.testing.assert_close(out, _reference(qs, kc, vc, segments, starts, None), atol=1e-5, rtol=1e-5)
+    # a group of one attends on its own
+    assert [b.members for b in SlotBatch.plan([(0, 1), (1, 4), (2, 1)], [3, 3, 3], [0, 1, 5], "cpu")] == \
+        [frozenset({0, 2})]

@@ -89,12 +89,28 @@ class SlotBatch:
     MAX_SCORES = 1 << 24
 
     @classmethod
-    def of(cls, segments, starts, row_starts, device, causal: bool = True) -> SlotBatch | None:
-        """The batch of the segments of at most MAX_ROWS rows, or None when fewer than two qualify or
-        their slots are spread over more than twice their number. ``causal=False``: every row of a
-        segment sees all of its keys (a drafter's non-causal block)."""
-        picked = [(slot, n, start, row, i) for i, ((slot, n), start, row)
-                  in enumerate(zip(segments, starts, row_starts)) if n <= cls.MAX_ROWS]
+    def plan(cls, segments, starts, row_starts, device, causal: bool = True) -> list[SlotBatch]:
+        """The batches of a forward's short segments: the one-row segments (decoding) in one, the
+        longer ones (verification blocks) in another. One batch pads every segment to the longest,
+        so a step of 32 decoding requests in which one verifies a block of 8 would attend as 32
+        blocks of 8 (per layer about 3.3x the time of 32 rows, ``scripts/attention_time.py``);
+        apart, the decoding rows keep their cost and the blocks add theirs. Segments in no batch
+        (prefill chunks, a group of one, slots spread too far) attend on their own."""
+        short = [i for i, (_, n) in enumerate(segments) if n <= cls.MAX_ROWS]
+        groups = [[i for i in short if segments[i][1] == 1], [i for i in short if segments[i][1] > 1]]
+        batches = [cls.of(segments, starts, row_starts, device, causal, pick=g) for g in groups if g]
+        return [b for b in batches if b is not None]
+
+    @classmethod
+    def of(cls, segments, starts, row_starts, device, causal: bool = True,
+           pick: list[int] | None = None) -> SlotBatch | None:
+        """The batch of the segments of at most MAX_ROWS rows (of those in ``pick``, when given),
+        or None when fewer than two qualify or their slots are spread over more than twice their
+        number. ``causal=False``: every row of a segment sees all of its keys (a drafter's
+        non-causal block)."""
+        chosen = range(len(segments)) if pick is None else pick
+        picked = [(segments[i][0], segments[i][1], starts[i], row_starts[i], i) for i in chosen
+                  if segments[i][1] <= cls.MAX_ROWS]
         if len(picked) < 2:
             return None
         slots = [p[0] for p in picked]

@@ -232,8 +232,9 @@ class Decoder:
     def _attention(self, segments: list[tuple[int, int]], starts: list[int]) -> Attend:
         """The forward's attention, laid out once for every layer: each segment attends causally
         to its own cache slot (no padding). Batch-invariant: every segment on its own
-        (runtime/invariant.py). Otherwise the short segments of decoding and verification in one
-        batched product over their slots, each prefill chunk on its own (runtime/attention.py)."""
+        (runtime/invariant.py). Otherwise the decoding rows in one batched product over their
+        slots, the verification blocks in another, each prefill chunk on its own
+        (runtime/attention.py ``SlotBatch.plan``)."""
         c = self.config
         masks = self._masks(segments, starts)
         if self.batch_invariant:
@@ -245,13 +246,14 @@ class Decoder:
         row_starts = [0]
         for _, n in segments[:-1]:
             row_starts.append(row_starts[-1] + n)
-        batch = SlotBatch.of(segments, starts, row_starts, self.device)
+        batches = SlotBatch.plan(segments, starts, row_starts, self.device)
+        batched = frozenset().union(*(b.members for b in batches))
         # the segments that attend on their own: prefill chunks, or all of them without a batch
         alone = [(slot, n, start, row, mask_for) for i, ((slot, n), start, row, mask_for)
-                 in enumerate(zip(segments, starts, row_starts, masks)) if batch is None or i not in batch.members]
+                 in enumerate(zip(segments, starts, row_starts, masks)) if i not in batched]
 
         def attend_segments(qs, kc, vc, window, out):
-            if batch is not None:
+            for batch in batches:
                 batch.attend(qs, kc, vc, window, out)
             for slot, n, start, row, mask_for in alone:
                 end = start + n
