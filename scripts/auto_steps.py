@@ -51,7 +51,9 @@ def main() -> int:
                     if auto.inner.cost.table is not None and o.requests else None)
             steps.append({"concurrency": c, "requests": len(o.requests), "verified": sum(r.verified for r in o.requests),
                           "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
-                          "predicted": pred, "decode_only": o.decode_only, "measuring": auto.measuring is not None})
+                          "predicted": pred, "decode_only": o.decode_only, "measuring": auto.measuring is not None,
+                          "forward_rows": o.forward_rows, "forward_seconds": o.forward_seconds,
+                          "draft_seconds": o.draft_seconds, "drafter_calls": len(calls)})
             inner_observe(o)
         auto.observe = observe
         res = interleave([closed_loop(target, load_drafter(a.drafter, target), plain, prompts, c, a.max_new_tokens,
@@ -64,12 +66,15 @@ def main() -> int:
     top = max(s["requests"] for s in steps if s["concurrency"] == levels[-1])
     last = [s for s in steps if s["concurrency"] == levels[-1] and s["decode_only"] and s["requests"] >= top - 2
             and s["predicted"] is not None]
-    print(f"decoding steps of {top - 2}-{top} requests at concurrency {levels[-1]}: verified -> steps, measured / predicted ms (medians)")
+    print(f"decoding steps of {top - 2}-{top} requests at concurrency {levels[-1]}: verified -> steps, measured / predicted ms;"
+          " of the measured, the forward and the drafter's call (medians)")
     for lo, hi in ((0, 0), (1, 5), (6, 20), (21, 10 ** 6)):
         g = [s for s in last if lo <= s["verified"] <= hi]
         if g:
             print(f"  {lo}-{hi if hi < 10 ** 6 else 'more'}: {len(g)} steps, {1e3 * statistics.median(s['seconds'] for s in g):.0f}"
-                  f" / {1e3 * statistics.median(s['predicted'] for s in g):.0f}")
+                  f" / {1e3 * statistics.median(s['predicted'] for s in g):.0f}; forward"
+                  f" {1e3 * statistics.median(s['forward_seconds'] for s in g):.0f}, drafter"
+                  f" {1e3 * statistics.median(s['draft_seconds'] for s in g):.0f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(steps, f)

@@ -262,6 +262,30 @@ def test_a_decoding_step_is_priced_from_the_decoding_steps_at_its_load(tmp_path)
         costs.forward_seconds(R, 2 * R)
 
 
+def test_the_first_verified_tokens_of_a_step_are_priced_as_they_ran(tmp_path):
+    # a step of many decoding requests pays a fixed part for verifying anything (a block laid out
+    # and attended beside the decoding rows) on top of each row: a few tokens verified in a step of
+    # 32 requests cost far more than 32 rows' worth of a whole token each would say
+    R, JUMP = 32, 0.020
+
+    def decode_fwd(rows):
+        return forward_s(rows) + (JUMP if rows > R else 0.0)
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for lengths in [[0] * R] * 6 + [[3] + [0] * (R - 1)] * 4 + [[1] * R] * 4 + [[2] * R] * 4:
+        o = timed(lengths)
+        fwd = decode_fwd(o.forward_rows)
+        costs.observe(StepOutcome(o.requests, fwd + o.draft_seconds + rest_s(R), True,
+                                  forward_rows=o.forward_rows, forward_seconds=fwd, draft_seconds=o.draft_seconds))
+    assert costs.forward_seconds(R, R) == pytest.approx(decode_fwd(R), rel=0.02)
+    assert costs.forward_seconds(R, R + 3) == pytest.approx(decode_fwd(R + 3), rel=0.02)
+    # the table the policy prices with: 3 tokens in all, against nothing verified
+    table = costs.table(R)
+    extra = table.target_seconds(R, 3 / R, 64) - table.target_seconds(R, 0, 64)
+    assert extra == pytest.approx(decode_fwd(R + 3) - decode_fwd(R), rel=0.25)
+    assert extra > 0.6 * JUMP          # the integer columns alone priced it at ~JUMP / 10
+    assert table.drafter_seconds(R, 1, 64) == pytest.approx(costs.drafter_seconds(R, 1), rel=0.05)
+
+
 def test_a_measuring_step_drafts_the_whole_block_and_verifies_what_pays(tmp_path):
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
     for rows in (4, 80):                        # the requests' prompts prefilled: the forward is priced

@@ -582,3 +582,29 @@ def test_prefix_verifies_free_lookup_proposals_by_their_own_acceptance():
     for r in reqs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
     assert chi2_pvalue(counts, exact_law(target, prompt, n_new, SamplingParams(temperature=1.0, top_k=4), VOCAB)) > 1e-3
+
+
+def test_free_proposals_explored_alone_one_request_at_a_time():
+    """Under a load where verifying a lookup's proposal does not pay, each request still explores
+    its free proposals now and then (so that their acceptance keeps being learned), but a step that
+    verifies nothing else explores for one request at most, as far apart as the drafter's probes:
+    one token verified alone makes the whole step ragged."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.base import RequestOutcome
+    R = 32
+    # verifying anything costs a step 25 % more: no lookup proposal pays at 1/2 acceptance
+    dear = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.25, 1.6, 1.8], [1.0, 1.25, 1.6, 1.8]]])
+    policy = make_policy("prefix", 3, cost_table=dear)
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
+    verifying = []
+    for _ in range(80):
+        policy.draft_lengths(reqs, 3, [3] * R)
+        lengths = policy.verify_lengths(reqs, [Proposal(torch.tensor([5, 6, 7]), free=True) for _ in reqs])
+        verifying.append(sum(1 for n in lengths if n))
+        policy.observe(StepOutcome(tuple(RequestOutcome(i, 3, n, 0, free=True) for i, n in enumerate(lengths)),
+                                   1.3 if any(lengths) else 1.0, True))
+    assert max(verifying) == 1                        # never several requests' tokens alone
+    # still learning, each lone token within the probes' budget of the plain steps' time
+    assert 2 <= sum(verifying) <= 0.01 * 80 / (0.25 / 32 / 0.125) + 1

@@ -93,7 +93,8 @@ def monotone(grid: np.ndarray, rounds: int = 8) -> np.ndarray:
 class CostTable:
     key: str
     requests: list[int]          # R axis
-    verified: list[int]          # drafted tokens verified per request (0 = plain step)
+    verified: list               # drafted tokens verified per request (0 = plain step; a learned
+                                 # table also has a fractional column, see scheduling/learned.py)
     contexts: list[int]          # context lengths
     seconds: list                # [context][R][verified] median seconds per engine step
     machine: str = ""
@@ -119,7 +120,8 @@ class CostTable:
             draft = draft.copy()
             draft[:, :, cols] = np.stack([monotone(g[:, cols]) for g in draft])
         self._rows = {name: a.tolist() for name, a in (("step", target + draft), ("draft", draft), ("target", target))}
-        self._least_drafted = min((v for v in self.verified if v > 0), default=1)   # a call's smallest measure
+        # a call's smallest measure (a learned table's fractional column prices verification only)
+        self._least_drafted = min((v for v in self.verified if v >= 1), default=1)
         self._mids = [(a + b) / 2 for a, b in zip(self.contexts, self.contexts[1:])]
 
     def context_column(self, context: float) -> int:

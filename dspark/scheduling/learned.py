@@ -12,8 +12,10 @@ always admit someone (many short requests) learns as well as one that only decod
 decoding step of R requests pays per request (R contexts attended, R ragged blocks laid out) what a
 prefill of as many rows does not, and a few verified tokens per request cost it more per row than
 a prompt's rows (docs/scheduling.md, "auto"). So decoding steps are also kept by their load: a decoding
-step is priced from the decoding steps seen at about its number of requests, and beyond the rows
-seen there by the all-steps curve's increments.
+step is priced from the decoding steps seen at about its number of requests, by the tokens it
+verified beyond the anchors (fine-grained where they are few: the first verified token of a step
+costs it more than the next ones, a block laid out and attended beside the decoding rows), and
+beyond the tokens seen there by the all-steps curve's increments.
 
 ``table`` turns the learned parts into the ``CostTable`` the load-aware policies price with, and the
 samples persist per machine / target / drafter / dtype / threads, so a second run starts priced.
@@ -38,6 +40,7 @@ log = logging.getLogger("dspark")
 
 SAMPLES = 8          # recent samples kept per bucket (their lower median is its price)
 STEPS_PER_BUCKET = 4 # buckets per doubling (~19 % apart)
+FIRST = 0.125        # the cost table's first verified column beyond 0 (tokens per request)
 
 
 def machine_id() -> str:
@@ -135,7 +138,8 @@ class LearnedCosts:
         self.block = block
         self.path = path
         self.forward = Curve()                  # seconds of the target's forward, by rows
-        self.decode: dict[int, Curve] = {}      # requests bucket -> the same, decoding steps only
+        self.decode: dict[int, Curve] = {}      # requests bucket -> the same, decoding steps only,
+                                                # by 1 + the tokens verified beyond the anchors
         self.rest = Curve()                     # the step less forward and drafter, by requests
         self.draft: dict[int, Curve] = {}       # depth -> seconds of the drafter's call, by requests drafting
         self.timed: dict[int, int] = {}         # requests bucket -> steps the whole block was timed at
@@ -153,8 +157,9 @@ class LearnedCosts:
         new = False
         if R and o.decode_only:
             curve = self.decode.setdefault(bucket(R), Curve())
-            new = curve.count(o.forward_rows, within=0) < SAMPLES // 2
-            curve.add(o.forward_rows, o.forward_seconds)
+            x = 1 + max(0, o.forward_rows - R)
+            new = curve.count(x, within=0) < SAMPLES // 2
+            curve.add(x, o.forward_seconds)
         if R:
             self.rest.add(R, max(0.0, o.seconds - o.forward_seconds - o.draft_seconds))
         calls = [r.drafted for r in o.requests if r.drafted and not r.free and not r.forced]
@@ -179,22 +184,23 @@ class LearnedCosts:
             return self.block
         return None
 
-    def forward_seconds(self, requests: int, rows: int) -> float:
+    def forward_seconds(self, requests: int, rows: float) -> float:
         """The target's forward in a decoding step of ``requests`` requests over ``rows`` rows: from
-        the decoding steps seen at the nearest load within ~40 % (two buckets), up to the most rows
-        seen there, plus the all-steps curve's increment beyond them; the all-steps curve alone
-        where no decoding step was seen at about that load."""
+        the decoding steps seen at the nearest load within ~40 % (two buckets), by the tokens
+        verified beyond the anchors up to the most seen there, plus the all-steps curve's increment
+        beyond them; the all-steps curve alone where no decoding step was seen at about that load."""
         b = bucket(requests)
         near = [k for k in self.decode if abs(k - b) <= 2 and self.decode[k]]
         if not near:
             return self.forward(rows)
         c = self.decode[min(near, key=lambda k: (abs(k - b), -k))]
-        top = max(x for s in c.buckets.values() for x, _ in s)
-        if rows <= top:
-            return c(rows)
-        return c(top) + max(0.0, self.forward(rows) - self.forward(top))
+        x = 1 + max(0.0, rows - requests)
+        top = max(size for s in c.buckets.values() for size, _ in s)
+        if x <= top:
+            return c(x)
+        return c(top) + max(0.0, self.forward(rows) - self.forward(requests + top - 1))
 
-    def drafter_seconds(self, requests: int, depth: int) -> float:
+    def drafter_seconds(self, requests: int, depth: float) -> float:
         """The drafter's call for ``requests`` requests ``depth`` deep: measured at that depth, or
         linear between the nearest depths measured (clamped beyond them)."""
         if depth <= 0 or not self.draft:
@@ -211,10 +217,13 @@ class LearnedCosts:
         if not self.forward:
             return None
         requests = sorted({2 ** i for i in range(max(1, max_requests).bit_length())} | {max(1, max_requests)})
-        verified = list(range(self.block + 1))
+        # a column at FIRST tokens a request (a few tokens in a step of many requests): the first
+        # verified tokens cost a step more than the next, which the integer columns alone would
+        # spread over a whole token per request
+        verified = [0, FIRST] + list(range(1, self.block + 1))
         seconds, draft = [], []
         for R in requests:
-            d_row = [self.drafter_seconds(R, v) for v in verified]
+            d_row = [self.drafter_seconds(R, max(1, v)) if v else 0.0 for v in verified]
             seconds.append([self.forward_seconds(R, R * (1 + v)) + self.rest(R) + dv for v, dv in zip(verified, d_row)])
             draft.append(d_row)
         return CostTable(self.key, requests, verified, [1], [seconds], machine=machine_id(), draft=[draft])
@@ -222,7 +231,7 @@ class LearnedCosts:
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict:
         return {"key": self.key, "block": self.block, "forward": self.forward.to_json(),
-                "decode": {str(b): c.to_json() for b, c in self.decode.items()},
+                "decode_verified": {str(b): c.to_json() for b, c in self.decode.items()},
                 "rest": self.rest.to_json(), "draft": {str(d): c.to_json() for d, c in self.draft.items()},
                 "timed": {str(b): n for b, n in self.timed.items()}}
 
@@ -249,7 +258,8 @@ class LearnedCosts:
             if d.get("key") != key or int(d.get("block", -1)) != block:
                 raise ValueError("made for another drafter or block size")
             costs.forward = Curve.from_json(d["forward"])
-            costs.decode = {int(k): Curve.from_json(v) for k, v in d.get("decode", {}).items()}
+            # "decode" (by rows) from before the curves were kept by verified tokens is relearned
+            costs.decode = {int(k): Curve.from_json(v) for k, v in d.get("decode_verified", {}).items()}
             costs.rest = Curve.from_json(d["rest"])
             costs.draft = {int(k): Curve.from_json(v) for k, v in d["draft"].items()}
             costs.timed = {int(k): int(v) for k, v in d["timed"].items()}

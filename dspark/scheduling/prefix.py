@@ -60,6 +60,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         super().__init__(cost_table, block, probe_every, probe_budget, reference_every, recent)
         self.free_profile = FreeProfile(16)    # the lookups' own acceptance, from 1/2
         self._held: _HeldDepth | None = None
+        self._quiet = 0                         # steps verifying nothing since a free proposal was explored
 
     def _new_state(self) -> PrefixState:
         return PrefixState()
@@ -154,10 +155,12 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         self._note_proposals(proposals, surv)
         n_drafting, depth = drafted(proposals)
         lengths = self._schedule(requests, proposals, surv, n_drafting, depth)
+        verifying = any(lengths)
+        alone = None if verifying else self._lone_exploration(requests, proposals)
         for i, (r, p) in enumerate(zip(requests, proposals)):
             st = self.states[r.id]
             if p.free and len(p):
-                lengths[i] = self._explore_free(st, lengths[i])
+                lengths[i] = self._explore_free(st, lengths[i], verifying or i == alone)
                 st.free_pending = lengths[i]
             if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
                 st.last_verified = lengths[i]
@@ -191,15 +194,35 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
                 self.free_profile.observe(*st.free_settle)
                 st.free_settle = None
 
-    def _explore_free(self, st: PrefixState, n: int) -> int:
+    def _explore_free(self, st: PrefixState, n: int, allowed: bool) -> int:
         """A request whose free proposals went unverified ``probe_every`` times verifies one token of
-        the next: the free profile keeps learning (one token costs little; never learning again
-        after a bad spell costs the lookups' whole gain)."""
+        the next (where ``allowed``): the free profile keeps learning (never learning again after a
+        bad spell costs the lookups' whole gain)."""
         if n:
             st.free_idle = 0
             return n
         st.free_idle += 1
-        if st.free_idle >= self.probe_every:
+        if st.free_idle >= self.probe_every and allowed:
             st.free_idle = 0
             return 1
         return 0
+
+    def _lone_exploration(self, requests, proposals) -> int | None:
+        """In a step that verifies nothing, the one request (if any) whose free proposal is explored.
+        One token beside others verified costs the step little, but one verified alone makes the
+        step ragged (a block laid out and attended beside the decoding rows: at 32 requests a fifth
+        of a plain step, docs/scheduling.md): with every request exploring on its own clock, a heavy
+        load would pay that in most steps. So alone, one request at a time, ``probe_every`` steps
+        apart or as far apart as keeps their price within ``probe_budget`` of the plain steps."""
+        self._quiet += 1
+        if self.cost.table is None:     # no prices: decoding plainly (``_unpriced``)
+            return None
+        base, more = self.cost.parts(len(requests), 1, context_length(requests), 0, 0.0)
+        if self._quiet < max(self.probe_every, more / (self.probe_budget * base)):
+            return None
+        due = [i for i, (r, p) in enumerate(zip(requests, proposals))
+               if p.free and len(p) and self.states[r.id].free_idle + 1 >= self.probe_every]
+        if not due:
+            return None
+        self._quiet = 0
+        return max(due, key=lambda i: self.states[requests[i].id].free_idle)
