@@ -587,8 +587,8 @@ def test_prefix_verifies_free_lookup_proposals_by_their_own_acceptance():
 def test_free_proposals_explored_alone_one_request_at_a_time():
     """Under a load where verifying a lookup's proposal does not pay, each request still explores
     its free proposals now and then (so that their acceptance keeps being learned), but a step that
-    verifies nothing else explores for one request at most, as far apart as the drafter's probes:
-    one token verified alone makes the whole step ragged."""
+    verifies nothing else explores for one request at most, and no more often than keeps their
+    price within the probes' budget: one token verified alone makes the whole step ragged."""
     from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.base import RequestOutcome

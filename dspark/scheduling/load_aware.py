@@ -256,14 +256,20 @@ class LoadAwarePolicy(Policy, Generic[St]):
         than ``probe_budget`` of them."""
         if self.cost.table is None:
             return self.probe_every
-        R, ctx = len(requests), context_length(requests)
-        base, more = self.cost.parts(R, 1, ctx, 1, 1.0, self.backlog(requests[self._probes % R], 1) if R else 0)
-        gap = max(self.probe_every, more * self.probe_scale / (self.probe_budget * base))
+        R = len(requests)
+        gap = self.budget_gap(requests, 1, self.backlog(requests[self._probes % R], 1) if R else 0, self.probe_scale)
         # what probes are for is to notice that drafting pays again; the further the last search
         # found it from paying, the less a probe's news can change that: the gap stretches as the
         # best drafting step's tokens/s falls from plain's to 80 % of it, at most ``probe_far`` x
         near = max(1.0 / self.probe_far, min(1.0, (self._ratio - 0.8) / 0.2))
         return math.ceil(gap / near)
+
+    def budget_gap(self, requests, drafting: int, rows: int = 0, scale: float = 1.0) -> float:
+        """Plain steps that must pass between two steps that verify one token (``drafting``: 1 when
+        the drafter is called for it, 0 for a free one) for its price beyond a plain step (times
+        ``scale``) to stay within ``probe_budget`` of theirs; at least ``probe_every``."""
+        base, more = self.cost.parts(len(requests), 1, context_length(requests), drafting, float(drafting), rows)
+        return max(self.probe_every, more * scale / (self.probe_budget * base))
 
     def _reference_due(self) -> bool:
         """Drafting pays, but the cost model has gone ``reference_every`` steps without a plain one."""

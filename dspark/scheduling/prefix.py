@@ -215,10 +215,8 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         load would pay that in most steps. So alone, one request at a time, ``probe_every`` steps
         apart or as far apart as keeps their price within ``probe_budget`` of the plain steps."""
         self._quiet += 1
-        if self.cost.table is None:     # no prices: decoding plainly (``_unpriced``)
-            return None
-        base, more = self.cost.parts(len(requests), 1, context_length(requests), 0, 0.0)
-        if self._quiet < max(self.probe_every, more / (self.probe_budget * base)):
+        # without prices the policy decodes plainly (``_unpriced``)
+        if self._quiet < self.probe_every or self.cost.table is None or self._quiet < self.budget_gap(requests, 0):
             return None
         due = [i for i, (r, p) in enumerate(zip(requests, proposals))
                if p.free and len(p) and self.states[r.id].free_idle + 1 >= self.probe_every]
