@@ -388,8 +388,8 @@ def test_online_training_on_corpus_rows_with_every_anchor_and_the_heldout_signal
                                                                           max_steps=1, eval_every=0), **quiet)
     train(online, tiny_config(kind="dflash", head="none", qk_norm=True), tmp_path / "d", t,   # DSpark's backbone
           replace(cfg, init_weights=str(tmp_path / "o"), max_steps=1, eval_every=0), **quiet)
-    with pytest.raises(Exception, match="init-weights"):        # another shape: refused
-        train(online, tiny_config(layers=2, qk_norm=True), tmp_path / "x", t,
+    with pytest.raises(Exception, match="init-weights"):        # another head: refused
+        train(online, tiny_config(head="rnn", qk_norm=True), tmp_path / "x", t,
               replace(cfg, init_weights=str(tmp_path / "o"), max_steps=1), **quiet)
 
 
@@ -478,3 +478,48 @@ def test_init_weights_starts_a_dflash_drafter_from_a_dspark_drafters_backbone(tm
     save_file({k: v.contiguous() for k, v in dflash.state_dict().items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(DsparkError, match="missing"):
         _load_weights(tiny_drafter_model(t, draft_vocab=vocab), tmp_path)
+
+
+def test_init_weights_grows_layers_and_refactors_the_markov_rank_keeping_the_drafts(tmp_path):
+    """A saved 1-layer drafter starts a 2-layer one (the new layer silent at first) and a drafter of
+    another Markov rank (the bias table re-factored): the grown drafter's logits and confidences
+    equal the saved one's on the same features; a rank cut below the table's rank is the best
+    approximation, so a table of rank 2 survives a cut to 2 exactly."""
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+    from dspark.drafters.dspark import DSparkModel
+    from dspark.training.trainer import _load_weights
+    t = tiny_target()
+    vocab = torch.tensor([0, 1, 2, 4])
+    old = tiny_drafter_model(t, qk_norm=True, draft_vocab=vocab)
+    with torch.no_grad():                       # a rank-2 bias table behind rank-4 factors
+        w1 = old.head.w1.weight
+        w1.copy_(torch.randn(w1.shape[0], 2) @ torch.randn(2, w1.shape[1]))
+    save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    torch.manual_seed(5)
+    ids, feats = torch.randint(0, 5, (12,)), torch.randn(12, 64)
+    anchors = torch.arange(11)
+    _, want, want_conf = old.forward_train(feats, ids, anchors)
+
+    def grown(layers, rank):
+        cfg = replace(tiny_config(qk_norm=True, layers=layers), markov_rank=rank)
+        model = DSparkModel(cfg, vocab).attach(t.embed, t.lm_head)
+        return model, _load_weights(model, tmp_path)
+
+    for layers, rank in [(2, 4), (1, 2), (3, 6)]:
+        model, done = grown(layers, rank)
+        assert bool(layers > 1) == any("layers" in d for d in done)
+        assert bool(rank != 4) == any("Markov rank" in d for d in done)
+        _, got, conf = model.forward_train(feats, ids, anchors)
+        assert torch.allclose(got, want, atol=1e-4), (layers, rank)
+        assert torch.allclose(conf, want_conf, atol=1e-4), (layers, rank)
+        if layers > 1:          # the grown layer trains: its outputs start at zero, the rest copies
+            new = model.backbone.layers[1]
+            assert torch.count_nonzero(new.o_proj.weight) == 0 and torch.count_nonzero(new.q_proj.weight) > 0
+    model, _ = grown(1, 1)                      # below the table's rank: close, not equal
+    _, got, _ = model.forward_train(feats, ids, anchors)
+    assert not torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(DsparkError, match="vanilla"):
+        cfg = replace(tiny_config(head="rnn", qk_norm=True), markov_rank=2)
+        _load_weights(DSparkModel(cfg, vocab).attach(t.embed, t.lm_head), tmp_path)

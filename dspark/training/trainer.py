@@ -48,6 +48,7 @@ from ..drafters.config import DrafterConfig, position_weights
 from ..drafters.dspark import DSparkModel
 from ..errors import DsparkError, UsageError
 from .losses import drafter_loss, eagle3_loss, target_probs
+from .grow import grow
 
 
 @dataclass
@@ -278,8 +279,9 @@ def _dist():
 HEAD_PREFIXES = ("head.", "confidence.")    # DSpark's sequential and confidence heads
 
 
-def _load_weights(model, folder) -> None:
-    """A saved drafter's (or checkpoint's) weights into ``model``, which must have its shapes."""
+def _load_weights(model, folder) -> list[str]:
+    """A saved drafter's (or checkpoint's) weights into ``model``, which must have its shapes or
+    grow from them (training/grow.py: more layers, another Markov rank); returns what grew."""
     try:
         state = load_file(str(Path(folder) / "model.safetensors"))
     except Exception as e:  # noqa: BLE001 - any damage means the same thing to the user
@@ -288,6 +290,7 @@ def _load_weights(model, folder) -> None:
     # a DSpark drafter starts a drafter without its heads (DFlash: the same backbone) from its backbone,
     # so both recipes can share one training history; the sequential and confidence heads are left out
     state = {k: v for k, v in state.items() if k in mine or not k.startswith(HEAD_PREFIXES)}
+    state, done = grow(state, mine, model.config.markov_head_type, model.config.hidden_size, f"--init-weights {folder}")
     bad = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
     # a drafter saved without q/k norms grows them: they start at one (RMSNorm's init), the rest loads
     grown = [k for k in mine if k not in state and k.endswith((".q_norm.weight", ".k_norm.weight"))]
@@ -297,6 +300,7 @@ def _load_weights(model, folder) -> None:
                          f"(mismatched {bad[:3]}, missing {missing[:3]})")
     model.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()}
                           | {k: torch.ones_like(mine[k]) for k in grown})
+    return done + (["q/k norms at one"] if grown else [])
 
 
 def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
@@ -341,9 +345,9 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     model = model_class(drafter_config.kind)(drafter_config, draft_vocab)
     model.attach(target.model.embed, target.model.lm_head, init_mask=True)
     if not ckpt.exists() and tcfg.init_weights:
-        _load_weights(model, tcfg.init_weights)
+        grew = _load_weights(model, tcfg.init_weights)
         if rank == 0:
-            log(f"weights from {tcfg.init_weights} (fresh optimizer)")
+            log(f"weights from {tcfg.init_weights} (fresh optimizer)" + (f"; grown: {'; '.join(grew)}" if grew else ""))
     elif not ckpt.exists():
         model.backbone.feature_scale.copy_(feature_scale(source))
         if tcfg.init_layers:
