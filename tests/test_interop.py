@@ -150,12 +150,15 @@ def test_foreign_markov_table_is_kept_whole(tmp_path):
     _proposals(DSparkDrafter(imported, target), target)         # and it serves
 
 
-def test_greedy_through_an_imported_drafter_equals_plain(tmp_path):
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_greedy_through_an_imported_drafter_equals_plain(tmp_path, fmt, kind):
+    """Every layout and both drafter kinds, loaded by path and served through the engine."""
     target = tiny_target(seed=2)
-    model = _model(target)
-    out, _ = _export(model, target, tmp_path, "speculators")
+    model = _model(target, kind, "vanilla" if kind == "dspark" else "none")
+    out, _ = _export(model, target, tmp_path, fmt)
     drafter = load_drafter(str(out), as_target(target))        # by path, as --drafter PATH
-    assert isinstance(drafter, DSparkDrafter) and drafter.config.qk_norm
+    assert isinstance(drafter, DSparkDrafter) and drafter.config.qk_norm and drafter.config.kind == kind
     _assert_greedy_equals_plain(target, drafter, ([1, 2, 3], [4, 4, 1, 0, 2], [3]))
 
 
