@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--policies", default="plain,mtp1,fixed",
                    help="comma list of plain, mtp1, fixed, threshold[-X], ema, prefix (Algorithm 1), "
                         "async, auto (what `dspark serve` runs: prefix, on the profile's cost table or on "
-                        "step costs learned as it runs); NAME-padded runs NAME on a padded layout")
+                        "step costs learned as it runs), auto-fresh (auto as on a new machine, beside it); "
+                        "NAME-padded runs NAME on a padded layout")
     c.add_argument("--fresh-costs", action="store_true",
                    help="auto starts as on a new machine: no profile table, nothing learned before")
     c.add_argument("--block", type=_non_negative_int, default=7,

@@ -49,16 +49,19 @@ def test_speed_bench_trained_drafter_with_policy(capsys, monkeypatch):
 
 def test_concurrency_bench_json(capsys, tmp_path):
     png = tmp_path / "pareto.png"
-    code = main(["bench", "concurrency", "--concurrency", "1,3", "--policies", "plain,mtp1,fixed,auto",
+    code = main(["bench", "concurrency", "--concurrency", "1,3", "--policies", "plain,mtp1,fixed,auto,auto-fresh",
                  "--fresh-costs", "--num-prompts", "3", "--max-new-tokens", "6", "--plot", str(png), "--json"])
     assert code == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
-    assert {(r["policy"], r["concurrency"]) for r in res} == {(p, c) for p in ("plain", "mtp1", "fixed", "auto")
+    autos = ("auto", "auto-fresh")
+    assert {(r["policy"], r["concurrency"]) for r in res} == {(p, c) for p in ("plain", "mtp1", "fixed") + autos
                                                              for c in (1, 3)}
-    # auto starts from nothing: its first steps measure the step costs, counted in its own time
-    auto = [r for r in res if r["policy"] == "auto"]
-    assert auto[0]["setup_steps"] > 0 and 0 < auto[0]["setup_seconds"] < auto[0]["wall_seconds"]
-    assert all(r["setup_steps"] == 0 for r in res if r["policy"] != "auto")
+    # auto starts from nothing: its first steps measure the step costs, counted in its own time; so
+    # does auto-fresh beside it, on costs of its own
+    for name in autos:
+        auto = [r for r in res if r["policy"] == name]
+        assert auto[0]["setup_steps"] > 0 and 0 < auto[0]["setup_seconds"] < auto[0]["wall_seconds"]
+    assert all(r["setup_steps"] == 0 for r in res if r["policy"] not in autos)
     assert all(r["total_tokens_per_second"] > 0 and r["per_user_tokens_per_second"] > 0 for r in res)
     # the policy's decision time is measured per step, as a share of the step's wall time
     assert all(r["decision_ms_per_step"] >= 0 and 0 <= r["decision_share"] < 1 for r in res)

@@ -37,11 +37,13 @@ from ..scheduling.policies import make_policy
 def _policy(name: str, block: int, cost_table=None, learned: LearnedCosts | None = None, concurrency: int = 1):
     """A policy name, optionally with "-padded": the same policy on a padded (dense) layout. "auto"
     is what `dspark serve` runs: prefix on the profile's cost table where there is one, else on the
-    step costs ``learned`` (shared by every concurrency of a bench, as by one server's lifetime)."""
+    step costs ``learned`` (shared by every concurrency of a bench, as by one server's lifetime);
+    "auto-fresh" is auto on a machine that never ran this target and drafter (no table, nothing
+    learned before), so that both start-ups run side by side."""
     padded = name.endswith("-padded")
     base = name[:-len("-padded")] if padded else name
-    if base == "auto":
-        if cost_table is not None:
+    if base in ("auto", "auto-fresh"):
+        if cost_table is not None and base == "auto":
             return make_policy("prefix", block, cost_table=cost_table), padded
         inner = make_policy("prefix", block)
         assert isinstance(inner, LoadAwarePolicy)
@@ -163,6 +165,8 @@ def run_concurrency_bench(args) -> int:
         # nothing learned before; what it learns stays in memory)
         learned = (LearnedCosts(f"{table_key_for(target, drafter)}|{machine_id()}", block) if args.fresh_costs
                    else learned_costs(target, drafter))
+    # auto-fresh learns in memory alone, from nothing, whatever this machine has learned or profiled
+    fresh = LearnedCosts(f"{table_key_for(target, drafter)}|{machine_id()}", block) if "auto-fresh" in policies else None
     texts = []
     for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
         texts.extend(load_prompts(d))
@@ -177,8 +181,9 @@ def run_concurrency_bench(args) -> int:
         for _ in range(args.repeats):
             loops = []
             for name in policies:
-                table = None if name == "auto" and args.fresh_costs else cost_table
-                policy, padded = _policy(name, block, table, learned if name == "auto" else None, c)
+                table = None if name == "auto-fresh" or (name == "auto" and args.fresh_costs) else cost_table
+                mine = {"auto": learned, "auto-fresh": fresh}.get(name)
+                policy, padded = _policy(name, block, table, mine, c)
                 loops.append(closed_loop(target, drafters[name], policy, prompts, c, args.max_new_tokens,
                                          params, block, padded=padded, label=name, cost_table=table))
             for name, res in zip(policies, interleave(loops)):
