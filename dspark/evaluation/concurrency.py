@@ -159,14 +159,15 @@ def run_concurrency_bench(args) -> int:
     # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
     cost_table = CostTable.find(table_key_for(target, drafter), warn=any(p.split("-")[0] in ("prefix", "async")
                                                                             for p in policies))
-    learned = None
-    if "auto" in policies:
-        # --fresh-costs: as on a machine that never ran this target and drafter (no profile table,
-        # nothing learned before; what it learns stays in memory)
-        learned = (LearnedCosts(f"{table_key_for(target, drafter)}|{machine_id()}", block) if args.fresh_costs
-                   else learned_costs(target, drafter))
-    # auto-fresh learns in memory alone, from nothing, whatever this machine has learned or profiled
-    fresh = LearnedCosts(f"{table_key_for(target, drafter)}|{machine_id()}", block) if "auto-fresh" in policies else None
+    # by base name, so that NAME-padded runs on NAME's costs
+    bases = {name: name.removesuffix("-padded") for name in policies}
+    key = f"{table_key_for(target, drafter)}|{machine_id()}"
+    # auto: --fresh-costs as on a machine that never ran this target and drafter (no profile table,
+    # nothing learned before; what it learns stays in memory); auto-fresh always so, beside auto
+    costs = {"auto": (LearnedCosts(key, block) if args.fresh_costs else learned_costs(target, drafter))
+             if "auto" in bases.values() else None,
+             "auto-fresh": LearnedCosts(key, block) if "auto-fresh" in bases.values() else None}
+    learned = costs["auto"]
     texts = []
     for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
         texts.extend(load_prompts(d))
@@ -181,9 +182,9 @@ def run_concurrency_bench(args) -> int:
         for _ in range(args.repeats):
             loops = []
             for name in policies:
-                table = None if name == "auto-fresh" or (name == "auto" and args.fresh_costs) else cost_table
-                mine = {"auto": learned, "auto-fresh": fresh}.get(name)
-                policy, padded = _policy(name, block, table, mine, c)
+                base = bases[name]
+                table = None if base == "auto-fresh" or (base == "auto" and args.fresh_costs) else cost_table
+                policy, padded = _policy(name, block, table, costs.get(base), c)
                 loops.append(closed_loop(target, drafters[name], policy, prompts, c, args.max_new_tokens,
                                          params, block, padded=padded, label=name, cost_table=table))
             for name, res in zip(policies, interleave(loops)):

@@ -47,8 +47,8 @@ from ..drafters.backbone import init_from_target
 from ..drafters.config import DrafterConfig, position_weights
 from ..drafters.dspark import DSparkModel
 from ..errors import DsparkError, UsageError
-from .losses import drafter_loss, eagle3_loss, target_probs
 from .grow import grow
+from .losses import drafter_loss, eagle3_loss, target_probs
 
 
 @dataclass
