@@ -115,24 +115,48 @@ def drive(policy, n_requests, steps, accept=lambda p: 0, confidence=0.9, drafted
 
 def test_auto_measures_the_shapes_it_lacks_then_hands_over(tmp_path):
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
-    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=16)
     drafted: list = []
-    plans = drive(policy, 4, 40, accept=lambda o: o.verified, drafted=drafted)   # every draft accepted
-    # the whole block drafted twice, every request alike (the drafter's call; the forward learns
-    # from every step), then the prefix policy decides
-    assert drafted[:2] == [[BLOCK] * 4, [BLOCK] * 4]
-    assert costs.missing(4) is None and policy._explored == {8: 2} and policy.measuring_steps == 2
+    plans = drive(policy, 16, 40, accept=lambda o: o.verified, drafted=drafted)   # every draft accepted
+    # a plain step, then the whole block drafted by a quarter of the requests, then by an eighth
+    # (the drafter's call at two sizes; the forward learns from every step), then the prefix
+    # policy decides
+    assert drafted[:3] == [[0] * 16, [BLOCK] * 4 + [0] * 12, [BLOCK] * 2 + [0] * 14]
+    assert costs.missing(16) is None and not costs.plain_missing(16)
+    assert policy._explored == {16: 2} and policy._plain == {16: 1} and policy.measuring_steps == 3
     assert policy.measuring is None and policy.inner.cost.table is not None
     assert max(map(max, plans[-10:])) > 0                       # the prefix policy drafts: it pays
-    # no more measuring at this load, nor within a factor of 4 of it
-    drive(policy, 1, 5)
-    drive(policy, 16, 5)
-    assert policy._explored == {8: 2}
-    # beyond 4 times any load the drafter was timed at: it is timed there, until the search, on the
+    # no more measuring of the drafter within a factor of 4 of the requests it was timed for (a
+    # plain step where none was seen at about the load)
+    drive(policy, 4, 5, drafted=drafted)
+    assert drafted[-5] == [0] * 4 and policy._plain == {16: 1, 8: 1}
+    drive(policy, 8, 5)
+    assert policy._explored == {16: 2}
+    # beyond 4 times what the drafter was timed for: it is timed there, until the search, on the
     # prices of that timing, finds that drafting does not pay there (its verification dearer)
-    plans = drive(policy, 256, 4, drafted=drafted)
-    assert policy._explored[32] == 1 and drafted[-4] == [BLOCK] * 256 and not any(map(any, plans[-3:]))
+    plans = drive(policy, 256, 12, drafted=drafted)
+    assert drafted[-12] == [0] * 256 and drafted[-11] == [BLOCK] * 64 + [0] * 192
+    assert 1 <= policy._explored[32] <= 2 and not any(map(any, plans[-3:]))
     assert policy._pays[32] is False
+
+
+def test_a_cold_start_at_full_load_prices_plain_decoding_as_it_ran(tmp_path):
+    # the requests' prompts prefilled, then every decoding step drafting: without a plain step at
+    # this load, a plain step would be priced as dear as the cheapest drafting one
+    R = 32
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    costs.observe(timed([], prefill=R * 20))
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=R)
+    drafted: list = []
+    drive(policy, R, 2, accept=lambda o: o.verified, drafted=drafted)
+    assert drafted == [[0] * R, [BLOCK] * 8 + [0] * 24]
+    table = costs.table(R)
+    assert table.target_seconds(R, 0, 64) == pytest.approx(forward_s(R) + rest_s(R), rel=0.05)
+    blind = LearnedCosts("k", BLOCK)                  # the same steps less the plain one
+    blind.observe(timed([], prefill=R * 20))
+    for d in drafted[1:]:
+        blind.observe(timed([min(1, n) for n in d], drafted=d))
+    assert blind.plain_missing(R) and blind.table(R).target_seconds(R, 0, 64) > 1.05 * (forward_s(R) + rest_s(R))
 
 
 def test_auto_measuring_is_bounded_when_a_shape_never_comes(tmp_path):
@@ -295,6 +319,6 @@ def test_a_measuring_step_drafts_the_whole_block_and_verifies_what_pays(tmp_path
     plans = drive(policy, 4, 3, accept=lambda o: o.verified, confidence=[0.9, 0.1, 0.02], drafted=drafted)
     # the drafter's call is timed at this load (the whole block, every request), but of the drafts
     # only those that promise enough are verified
-    assert drafted[:2] == [[BLOCK] * 4, [BLOCK] * 4] and policy.measuring_steps == 2
-    assert 0 < sum(plans[0]) + sum(plans[1]) < 2 * BLOCK * 4
+    assert drafted[:3] == [[0] * 4, [BLOCK] + [0] * 3, [BLOCK] + [0] * 3] and policy.measuring_steps == 3
+    assert 0 < sum(plans[1]) + sum(plans[2]) < 2 * BLOCK
     assert costs.missing(4) is None

@@ -21,8 +21,8 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def identity_prompts(bench_prompts):
-    """Two prompts of each domain (humaneval, gsm8k, mt-bench)."""
-    return bench_prompts[0:2] + bench_prompts[3:5] + bench_prompts[6:8]
+    """A prompt of each domain (humaneval, gsm8k, mt-bench)."""
+    return bench_prompts[0:1] + bench_prompts[3:4] + bench_prompts[6:7]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +36,7 @@ def plain_outputs(target_fp32, identity_prompts):
 def test_greedy_speculative_equals_plain_decoding(target_fp32, identity_prompts, plain_outputs, drafter_name):
     drafter = load_drafter(drafter_name, target_fp32)
     near_ties, accepted = [], 0
-    pairs = list(zip(identity_prompts, plain_outputs))
-    if drafter_name.startswith("cut"):   # a draft LM drafts token by token: one prompt per domain
-        pairs = pairs[::2]
-    for prompt, plain in pairs:
+    for prompt, plain in zip(identity_prompts, plain_outputs):
         spec, stats = generate_ids(target_fp32.model, prompt, GREEDY, NEW_TOKENS, drafter,
                                    eos_ids=target_fp32.eos_token_ids)
         accepted += stats.num_accepted_tokens
@@ -72,7 +69,7 @@ def test_point_mass_drafts_emit_plain_decodings_seeded_tokens(target_fp32, bench
     emitted token: a seeded request emits exactly what plain decoding emits with that seed."""
     d = load_drafter("ngram", target_fp32)
     accepted = 0
-    for prompt in bench_prompts[:4]:
+    for prompt in (bench_prompts[0], bench_prompts[3]):      # code and math: the n-gram drafter finds repeats
         params = SamplingParams(temperature=0.8, top_k=50, seed=7)
         plain = generate_ids(target_fp32.model, prompt, params, 48, None)[0]
         spec, stats = generate_ids(target_fp32.model, prompt, params, 48, d)

@@ -3,18 +3,24 @@ engine's own steps, so that scheduling needs no set-up.
 
 Where `dspark profile` has measured a full cost table, serving uses it as it is (``serving_policy``).
 Otherwise the costs come from ``LearnedCosts``: loaded from the cache when an earlier run on this
-machine learned them, else learned now, from every step the engine times. The one part the steps a
-policy chooses may never show is the drafter's call at a new load (a policy that finds drafting
-dear stops drafting); so, until the drafter has been timed drafting the whole block for a number of
-requests within a factor of 4 of the current one, the policy runs such a step itself: every
-request drafts the whole block, and the inner policy verifies of it what pays on the prices known
-so far (the drafter's call is spent by then; verifying the whole block too would cost a heavy load
-several plain steps and teach nothing the decoding steps do not). A regular, lossless decoding
-step, which costs only the drafter's call beyond what the inner policy would have run (at most
-``explore_steps`` per load). After each measuring step, each decoding step of a shape the costs
-had seen only a few times at its load (a load's first verifying steps teach what its verification
-costs) and every ``reprice_every`` steps the table the inner policy prices with is rebuilt from the
-costs, and they are saved (every ``save_every`` steps once measured).
+machine learned them, else learned now, from every step the engine times. Two parts the steps a
+policy chooses may never show, so the policy runs them itself, as regular, lossless decoding steps
+(at most ``explore_steps`` of each per load):
+
+- a plain step at a load it meets first (every request verifying nothing beyond its anchor): what
+  drafting saves is priced against it, and a load first met drafting (a cold start at full load)
+  would otherwise price plain decoding as dear as its cheapest drafting step;
+- the drafter's call at a new load (a policy that finds drafting dear stops drafting): until the
+  drafter has been timed drafting the whole block for a number of requests within a factor of 4 of
+  the current load, a quarter of the requests (then an eighth: two sizes give the call's slope)
+  draft the whole block, the others none, and the inner policy verifies of it what pays on the
+  prices known so far (the call is spent by then; verifying the whole block too would cost a heavy
+  load several plain steps and teach nothing the decoding steps do not).
+
+After each measuring step, each decoding step of a shape the costs had seen only a few times at its
+load (a load's first verifying steps teach what its verification costs) and every ``reprice_every``
+steps the table the inner policy prices with is rebuilt from the costs, and they are saved (every
+``save_every`` steps once measured).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class AutoPolicy(Policy):
         self.measuring: int | None = None      # the depth this step runs to measure it, or None
         self._explored: dict[int, int] = {}    # requests bucket -> measuring steps run there
         self._pays: dict[int, bool] = {}       # requests bucket -> drafting paid at its last search
+        self._plain: dict[int, int] = {}       # requests bucket -> plain steps run to measure them
         self._since_price = 0
         self._since_save = 0
         self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up)
@@ -58,9 +65,11 @@ class AutoPolicy(Policy):
         out = self.inner.draft_lengths(requests, block_size, free) if priced else None
         if requests and priced:
             self._pays[bucket(len(requests))] = self.inner.drafting_ratio >= 1.0
-        self.measuring = self._shape_to_measure(len(requests))
-        if self.measuring is not None:
-            return [self.measuring] * len(requests)
+        shape = self._shape_to_measure(len(requests))
+        self.measuring = None if shape is None else shape[0]
+        if shape is not None:
+            depth, n = shape
+            return [depth if i < n else 0 for i in range(len(requests))]
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
 
     def verify_lengths(self, requests, proposals) -> list[int]:
@@ -82,12 +91,19 @@ class AutoPolicy(Policy):
             self.costs.save()
         self.measuring = None
 
-    def _shape_to_measure(self, requests: int) -> int | None:
-        """The depth to run this step to measure it (None: the costs know every shape at this load,
-        or its measuring steps are spent)."""
+    def _shape_to_measure(self, requests: int) -> tuple[int, int] | None:
+        """(the depth to run this step to, how many of its requests draft it) to measure it; None:
+        the costs know every shape at this load, or its measuring steps are spent."""
         if not requests:
             return None
         b = bucket(requests)
+        # a plain step first: what drafting saves is priced against it (and it costs nothing a
+        # plain decoder would not pay)
+        if self.costs.plain_missing(requests) and self._plain.get(b, 0) < self.explore_steps:
+            if not self._plain and not self._explored:
+                log.info("auto policy: measuring the step costs at %d request(s)", requests)
+            self._plain[b] = self._plain.get(b, 0) + 1
+            return 0, 0
         ran = self._explored.get(b, 0)
         if ran >= self.explore_steps:
             return None
@@ -104,10 +120,13 @@ class AutoPolicy(Policy):
         depth = self.costs.missing(requests)
         if depth is None:
             return None
-        if ran == 0:
+        if ran == 0 and b not in self._plain:
             log.info("auto policy: measuring the step costs at %d request(s)", requests)
         self._explored[b] = ran + 1
-        return depth
+        # the factor-4 rule needs the call timed for a quarter of the requests, and the slope of its
+        # cost for two sizes: a quarter, then an eighth (the drafter's call over all of a heavy
+        # load's requests, its prompts' features included, costs several plain steps)
+        return depth, max(1, -(-requests // (4 if ran == 0 else 8)))
 
     def close(self) -> None:
         """Keep what was learned for the next run (also saved every ``save_every`` steps)."""

@@ -166,8 +166,8 @@ class LearnedCosts:
         if calls and o.draft_seconds > 0:
             depth = round(sum(calls) / len(calls))
             self.draft.setdefault(depth, Curve()).add(len(calls), o.draft_seconds)
-            if depth == self.block:     # the loads (all decoding requests) the whole block was timed at
-                b = bucket(R)
+            if depth == self.block:     # the numbers of requests the whole block was timed for
+                b = bucket(len(calls))
                 self.timed[b] = self.timed.get(b, 0) + 1
         self.observed += 1
         return new
@@ -178,22 +178,36 @@ class LearnedCosts:
         (plain, prefilling, drafting) and priced between and beyond its samples, so it is never
         missing; the drafter's call is, until it has been timed drafting the whole block for a
         number of requests within a factor of 4 of this one (its price at other depths and loads
-        comes from that and from the steps the policy chooses)."""
+        comes from that and from the steps the policy chooses; ``timed`` counts the requests that
+        drafted, not the step's load, so a quarter of a load's requests drafting measures it)."""
         b = bucket(requests)
         if sum(n for k, n in self.timed.items() if abs(k - b) <= 8) < 2:
             return self.block
         return None
+
+    def _decode_curve(self, requests: int) -> Curve | None:
+        """The decoding steps' curve a step of ``requests`` requests is priced from: the nearest
+        load within ~40 % (two buckets) that has one."""
+        b = bucket(requests)
+        near = [k for k in self.decode if abs(k - b) <= 2 and self.decode[k]]
+        return self.decode[min(near, key=lambda k: (abs(k - b), -k))] if near else None
+
+    def plain_missing(self, requests: int) -> bool:
+        """True until a plain decoding step (nothing verified beyond the anchors) was timed at about
+        ``requests`` requests. Without one, the decoding curve there starts at the fewest tokens
+        seen verified and prices a plain step as dear as that: at a load first met drafting (a cold
+        start at full load), drafting would look paying and no step would ever say otherwise."""
+        c = self._decode_curve(requests)
+        return c is None or bucket(1) not in c.buckets
 
     def forward_seconds(self, requests: int, rows: float) -> float:
         """The target's forward in a decoding step of ``requests`` requests over ``rows`` rows: from
         the decoding steps seen at the nearest load within ~40 % (two buckets), by the tokens
         verified beyond the anchors up to the most seen there, plus the all-steps curve's increment
         beyond them; the all-steps curve alone where no decoding step was seen at about that load."""
-        b = bucket(requests)
-        near = [k for k in self.decode if abs(k - b) <= 2 and self.decode[k]]
-        if not near:
+        c = self._decode_curve(requests)
+        if c is None:
             return self.forward(rows)
-        c = self.decode[min(near, key=lambda k: (abs(k - b), -k))]
         x = 1 + max(0.0, rows - requests)
         top = max(size for s in c.buckets.values() for size, _ in s)
         if x <= top:
