@@ -298,3 +298,27 @@ def test_committed_dspark_drafter_export(tmp_path, capsys):
             assert "exact:" in err
     else:
         assert rc == 2 and "qk_norm false" in err and not (tmp_path / "o").exists()
+
+
+SPECULATORS = __import__("pathlib").Path(__file__).parent / "data" / "speculators-dspark"
+
+
+def test_a_checkpoint_the_speculators_package_wrote_is_read_as_it_computes():
+    """Written by speculators 0.9.0 itself (scripts/speculators_writes_dspark.py, in its own
+    environment): a reduced draft vocabulary (t2d / d2t), a full-table vanilla Markov head and a
+    confidence head that reads it, for a tiny Llama target it saved beside. Imported, the Markov
+    bias and the confidence logit equal what speculators' heads computed; the embeddings and LM
+    head come from the target; greedy output through it equals plain decoding."""
+    from safetensors.torch import load_file as load
+    ref = load(str(SPECULATORS / "reference.safetensors"))
+    target = Decoder.from_hf(LlamaForCausalLM.from_pretrained(SPECULATORS / "verifier").eval())
+    drafter = load_drafter(str(SPECULATORS / "drafter"), as_target(target))
+    m = drafter.model
+    assert isinstance(drafter, DSparkDrafter) and m.config.markov_full_table and m.config.confidence_head
+    assert m.draft_vocab.tolist() == list(range(0, 32, 2)) and m.config.target_layer_ids == [0, 2]
+    with torch.no_grad():
+        bias, e = m.head.teacher_forced(ref["hidden"], m.prev_rows[ref["prev_tokens"]])
+        conf = m.confidence(ref["hidden"], e)
+    torch.testing.assert_close(bias, ref["markov_bias"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(conf, ref["confidence_logits"], rtol=1e-5, atol=1e-6)
+    _assert_greedy_equals_plain(target, drafter, ([1, 5, 9], [4, 20, 1, 0, 2, 17], [3]))

@@ -1,5 +1,6 @@
 """Import: a drafter checkpoint in an engine's layout (DeepSpec ``Qwen3DSparkModel``, SpecForge
-``DSparkDraftModel`` with a nested ``dflash_config``, speculators ``DSparkSpeculator``) loaded into
+``DSparkDraftModel`` with a nested ``dflash_config``, speculators ``DSparkDraftModel`` with
+``speculators_model_type`` and a nested ``transformer_layer_config``) loaded into
 our drafter class, so the engine serves it like one of ours (drafting, verification, scheduling).
 
 The inverse of export.py, for any writer: the Markov table ``[vocab, rank]`` is kept whole unless

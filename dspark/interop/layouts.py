@@ -18,8 +18,10 @@ FORMATS = ("deepspec", "dflash", "speculators")
 # the ``architectures`` each format writes. DFlash: SpecForge's DSpark name with DFlash's nested
 # ``dflash_config``; z-lab's ``DFlashDraftModel`` means a block whose slot j predicts the token at
 # slot j (the anchor slot's output unused), while our blocks predict the next token from every slot,
-# anchor included (``sample_from_anchor``), which the DSpark names mean
-ARCHITECTURE = {"deepspec": "Qwen3DSparkModel", "dflash": "DSparkDraftModel", "speculators": "DSparkSpeculator"}
+# anchor included (``sample_from_anchor``), which the DSpark names mean. speculators: what the package
+# writes (its ``save_pretrained`` names the model class; ``DSparkSpeculator``, its config's default, is
+# read too); its loaders dispatch on ``speculators_model_type``
+ARCHITECTURE = {"deepspec": "Qwen3DSparkModel", "dflash": "DSparkDraftModel", "speculators": "DSparkDraftModel"}
 # what the import accepts (llama.cpp's converter registers the same names)
 IMPORTABLE = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "DFlashDraftModel")
 # z-lab's DFlash: a bonus-anchor block unless the config says otherwise (llama.cpp reads it so)
