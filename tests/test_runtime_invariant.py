@@ -69,7 +69,7 @@ def test_bf16_greedy_speculative_equals_plain_decoding(bench_prompts):
     assert target.model.batch_invariant
     drafter = load_drafter("ngram+dspark", target)
     greedy, accepted = SamplingParams(temperature=0), 0
-    for prompt in bench_prompts:
+    for prompt in bench_prompts[::2]:       # two humaneval, one gsm8k, one mt-bench
         plain = generate_ids(target.model, prompt, greedy, 64, None, eos_ids=target.eos_token_ids)[0]
         spec, stats = generate_ids(target.model, prompt, greedy, 64, drafter, eos_ids=target.eos_token_ids)
         assert spec == plain, f"bf16 output diverges from plain decoding at token {first_divergence(spec, plain)}"
