@@ -99,8 +99,9 @@ class AutoPolicy(Policy):
         b = bucket(requests)
         # a plain step first: what drafting saves is priced against it (and it costs nothing a
         # plain decoder would not pay)
-        if self.costs.plain_missing(requests) and self._plain.get(b, 0) < self.explore_steps:
-            if not self._plain and not self._explored:
+        first = b not in self._plain and b not in self._explored
+        if self._plain.get(b, 0) < self.explore_steps and self.costs.plain_missing(requests):
+            if first:
                 log.info("auto policy: measuring the step costs at %d request(s)", requests)
             self._plain[b] = self._plain.get(b, 0) + 1
             return 0, 0
@@ -120,7 +121,7 @@ class AutoPolicy(Policy):
         depth = self.costs.missing(requests)
         if depth is None:
             return None
-        if ran == 0 and b not in self._plain:
+        if first:
             log.info("auto policy: measuring the step costs at %d request(s)", requests)
         self._explored[b] = ran + 1
         # the factor-4 rule needs the call timed for a quarter of the requests, and the slope of its
