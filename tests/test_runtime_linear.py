@@ -16,7 +16,7 @@ from dspark.runtime import linear as L
 from dspark.runtime.model import Decoder
 
 SHAPES = [(960, 576), (576, 1536), (3072, 576)]    # the bundled target's q/k/v, down and gate/up products
-_keeps_rows_alike = L.keeps_rows_alike             # the real check, before any test forces it
+_alike_limit = L.rows_alike_limit                  # the real check, before any test forces it
 
 
 def _hardware_packs() -> bool:
@@ -48,7 +48,7 @@ def packing(request, monkeypatch):
         pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
     on = request.param == "taken"
     monkeypatch.setattr(L, "packing_available", lambda: on)
-    monkeypatch.setattr(L, "keeps_rows_alike", lambda shape: on)
+    monkeypatch.setattr(L, "rows_alike_limit", lambda shape: None if on else 0)
     return on
 
 
@@ -89,17 +89,17 @@ def test_what_pack_chooses_keeps_a_rows_bits_at_any_row_count(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rows_alike_holds_on_either_path(packing, shape):
-    """The same promise with the decision forced: the dense path always; the packed path for the
-    shapes the real check keeps (a shape it rejects is exactly what ``pack`` declines)."""
-    if packing and not _keeps_rows_alike(shape):
-        pytest.skip("this CPU's packed kernels differ by row count for this shape: pack() declines it")
+def test_rows_alike_holds_on_either_path(packing, monkeypatch, shape):
+    """The same promise with the decision forced: the dense path always; the packed path with
+    this CPU's real row limit for the shape (products chunked to it, or the shape left dense)."""
+    if packing:
+        monkeypatch.setattr(L, "rows_alike_limit", _alike_limit)
     _assert_rows_alike(L.pack(_data(*shape, seed=3)), shape[1])
 
 
 def test_the_checks_reject_a_kernel_whose_rows_differ(monkeypatch):
     """Both checks guarding the packed path decline when products differ: by row count
-    (``keeps_rows_alike``) or from ``F.linear`` (``packing_available``'s probe)."""
+    (``rows_alike_limit``) or from ``F.linear`` (``packing_available``'s probe)."""
     if not _hardware_packs():
         pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
     real = L.linear
@@ -111,8 +111,32 @@ def test_the_checks_reject_a_kernel_whose_rows_differ(monkeypatch):
         return y
 
     monkeypatch.setattr(L, "linear", drifting)
-    assert not _keeps_rows_alike.__wrapped__((64, 48))
+    assert _alike_limit.__wrapped__((64, 48)) == 3
     assert not L.packing_available.__wrapped__()
+
+
+def test_a_kernel_that_switches_at_a_row_count_is_chunked_below_it(monkeypatch):
+    """A CPU whose packed kernel rounds otherwise from 13 rows on (as AMX does from 33): the check
+    finds the limit, ``pack`` keeps the shape packed with it, and rows-alike products run in chunks
+    of at most 12 rows, so a row's bits hold; unchunked, the same kernel breaks the promise."""
+    if not _hardware_packs():
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
+    real = L._packed_product
+
+    def switching(x, w, b=None):
+        y = real(x, w, b)
+        return y + y.abs() / 64 + 1e-3 if x.shape[0] > 12 else y
+
+    monkeypatch.setattr(L, "_packed_product", switching)
+    assert _alike_limit.__wrapped__((64, 48)) == 12
+    monkeypatch.setattr(L, "rows_alike_limit", _alike_limit.__wrapped__)
+    monkeypatch.setattr(L, "packing_available", lambda: True)
+    w = _data(64, 48, seed=5)
+    p = L.pack(w)
+    assert isinstance(p, L.PackedWeight) and p.alike == 12
+    _assert_rows_alike(p, 48)
+    with pytest.raises(AssertionError):
+        _assert_rows_alike(L.PackedWeight(w), 48)
 
 
 def test_pack_leaves_other_weights_alone():
@@ -126,7 +150,7 @@ def test_pack_leaves_other_weights_alone():
 
 
 def test_a_shape_whose_rows_differ_by_row_count_stays_dense(monkeypatch):
-    monkeypatch.setattr(L, "keeps_rows_alike", lambda shape: shape != (8, 4))
+    monkeypatch.setattr(L, "rows_alike_limit", lambda shape: L.MIN_ALIKE_ROWS - 1 if shape == (8, 4) else None)
     monkeypatch.setattr(L, "packing_available", _hardware_packs)
     w, other = torch.randn(8, 4).bfloat16(), torch.randn(8, 6).bfloat16()
     assert L.pack(w) is w

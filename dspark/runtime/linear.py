@@ -8,8 +8,11 @@ layout, the layout torch's own compiler uses for frozen CPU linears
 bits of ``F.linear`` (checked once per process on a probe before anything is packed, else nothing
 is packed) and, on the 2-core AMD EPYC VM of the README, runs about twice as fast from 1 to 8 rows
 and no slower up to 256 (``scripts/forward_time.py --against`` for whole forwards). A weight shape
-is packed only if its packed products give a row the same bits at every row count (``keeps_rows_alike``,
-checked once per shape on random inputs), which the batch-invariant mode relies on.
+keeps a row's bits up to some row count (``rows_alike_limit``, checked once per shape on random
+inputs): the batch-invariant mode multiplies its rows in chunks no larger than that, so a row gets
+the same bits whatever the batch, and other products take any number of rows at once. (On the
+Intel Xeon VM with AMX, oneDNN switches kernels from 33 rows on; on the AMD EPYC VM no count up to
+the 160 checked differs.)
 
 Where packing is not available (another device, a torch without oneDNN, fp32 models, a probe that
 disagrees, ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
@@ -31,11 +34,13 @@ class PackedWeight:
     """A 2-D bf16 weight ``[out, in]`` in oneDNN's packed layout (opaque: use ``linear`` on it, or
     ``dense()`` for the plain tensor, which re-lays it out: not for the hot path)."""
 
-    __slots__ = ("packed", "shape", "dtype", "device")
+    __slots__ = ("packed", "shape", "dtype", "device", "alike")
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, alike: int | None = None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
         self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
+        # rows_alike products run in chunks of at most this many rows (None: any number)
+        self.alike = alike
 
     def dense(self) -> torch.Tensor:
         return self.packed.to_dense()
@@ -68,15 +73,19 @@ def packing_available() -> bool:
         return False
 
 
+ALIKE_COUNTS = (*range(2, 41), 48, 63, 64, 65, 100, 128, 129, 160)   # row counts the check compares
+MIN_ALIKE_ROWS = 8      # a shape kept alike only below this stays dense: chunks that small cost too much
+
+
 @functools.cache
-def keeps_rows_alike(shape: tuple[int, int]) -> bool:
-    """Whether packed products of this weight shape give a row the same bits at every row count
-    (one row runs as two where it matters, see ``linear``). A shape that fails stays dense, so that
-    packing never costs the batch-invariant mode its guarantee on a CPU whose kernels differ by row
-    count (one kernel for few rows, another, AMX say, from 33 rows on). Kernels that differ do so
-    only on some inputs (rows with subnormal values, in the cases met), so the check is broad: 160
-    rows, half of them 5 % and half 30 % subnormal, each computed alone against row counts on
-    both sides of the usual kernel boundaries (powers of two, 32 + 1) up to 160."""
+def rows_alike_limit(shape: tuple[int, int]) -> int | None:
+    """Up to how many rows packed products of this weight shape give a row the bits it gets alone
+    (one row runs as two, see ``linear``): None where every count checked agrees, else the largest
+    count below the first that differs (0: even two rows differ). CPUs whose oneDNN changes kernels
+    with the row count (AMX from 33 rows on) round some rows otherwise in large blocks, and only on
+    some inputs (rows with subnormal values, in the cases met), so the check is broad: 160 rows,
+    half of them 5 % and half 30 % subnormal, each computed alone against every count up to 40
+    and counts on both sides of the usual kernel boundaries up to 160."""
     g = torch.Generator().manual_seed(0)
     w = PackedWeight(torch.randn(shape, generator=g).bfloat16())
     x = torch.randn(160, shape[1], generator=g)
@@ -84,8 +93,12 @@ def keeps_rows_alike(shape: tuple[int, int]) -> bool:
     x[torch.rand(160, shape[1], generator=g) < share] = 1e-39
     x = x.bfloat16()
     alone = torch.cat([linear(x[i:i + 1], w, rows_alike=True) for i in range(160)])
-    return all(torch.equal(linear(x[:m], w, rows_alike=True), alone[:m])
-               for m in (2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 40, 63, 64, 65, 100, 128, 129, 160))
+    agreed = 1
+    for m in ALIKE_COUNTS:
+        if not torch.equal(linear(x[:m], w, rows_alike=True), alone[:m]):
+            return agreed
+        agreed = m
+    return None
 
 
 @overload
@@ -93,11 +106,13 @@ def pack(w: Weight) -> Weight: ...
 @overload
 def pack(w: Weight | None) -> Weight | None: ...
 def pack(w: Weight | None) -> Weight | None:
-    """``w`` packed for ``linear`` where that is available and keeps rows alike (bf16, CPU, 2-D),
-    else ``w``."""
+    """``w`` packed for ``linear`` where that is available (bf16, CPU, 2-D) and its kernels keep
+    rows alike up to at least ``MIN_ALIKE_ROWS`` rows, else ``w``."""
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
-            and w.device.type == "cpu" and packing_available() and keeps_rows_alike(tuple(w.shape))):
-        return PackedWeight(w)
+            and w.device.type == "cpu" and packing_available()):
+        limit = rows_alike_limit(tuple(w.shape))
+        if limit is None or limit >= MIN_ALIKE_ROWS:
+            return PackedWeight(w, limit)
     return w
 
 
@@ -113,15 +128,21 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
     ``rows_alike`` (batch-invariant mode): a row gets the same bits whatever the number of rows
     beside it. oneDNN's one-row kernel rounds some inputs differently from its many-row one (rows
     with subnormal values through the 1536-wide down projection, on the AMD EPYC VM), so with a
-    packed weight one row runs as the first of two. Kernels also follow the input's layout (with
-    the ISA capped at AVX2, a column-major block, as the transposed view the dense path returns,
-    rounds otherwise than rows alone), so rows-alike products take contiguous rows on both paths."""
+    packed weight one row runs as the first of two, and rows run in chunks of at most the weight's
+    ``alike`` rows (where a larger block takes another kernel). Kernels also follow the input's
+    layout (with the ISA capped at AVX2, a column-major block, as the transposed view the dense
+    path returns, rounds otherwise than rows alone), so rows-alike products take contiguous rows on
+    both paths."""
     if rows_alike:
         x = x.contiguous()
     if isinstance(w, PackedWeight):     # x in the weight's dtype, as for F.linear
-        if rows_alike and x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w.packed, b, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
+        if not rows_alike:
+            return _packed_product(x, w, b)
+        if w.alike is not None and x.shape[0] > w.alike:
+            return torch.cat([linear(c, w, b, rows_alike=True) for c in x.split(w.alike)])
+        if x.shape[0] == 1:
+            return _packed_product(x.expand(2, -1), w, b)[:1]
+        return _packed_product(x, w, b)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         if x.shape[0] == 1:
             y = torch.mv(w, x[0]).unsqueeze(0)
@@ -129,6 +150,10 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
             y = torch.matmul(w, x.t()).t()
         return y if b is None else y + b
     return F.linear(x, w, b)
+
+
+def _packed_product(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w.packed, b, "none", [], "")
 
 
 class FastLinear(torch.nn.Linear):
