@@ -172,6 +172,21 @@ def test_auto_measuring_is_bounded_when_a_shape_never_comes(tmp_path):
     assert sum(policy._explored.values()) == 3
 
 
+def test_a_measuring_step_times_the_drafter_on_requests_no_lookup_serves(tmp_path):
+    # the hybrid: where a request's lookup matches, its free block replaces the drafter's call, so
+    # the requests drafting to time the call are those without a match; a step where every request
+    # has one measures nothing and spends none of the load's measuring steps
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
+    reqs = requests(8)
+    policy.observe(timed(policy.draft_lengths(reqs, BLOCK, [0] * 8)))          # the plain step
+    assert policy.draft_lengths(reqs, BLOCK, [2] * 8) == [2] * 8               # the lookups' blocks
+    assert policy.measuring is None and not policy._explored
+    free = [2, 2, 0, 2, 0, 0, 2, 2]                 # the same step, had three lookups missed
+    assert policy.draft_lengths(reqs, BLOCK, free) == [0, 0, BLOCK, 0, BLOCK, 0, 0, 0]
+    assert policy.measuring == BLOCK and sum(policy._explored.values()) == 1
+
+
 def test_auto_starts_priced_from_what_an_earlier_run_learned(tmp_path):
     path = tmp_path / "c.json"
     first = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK, path), max_requests=4)

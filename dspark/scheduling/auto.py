@@ -12,8 +12,9 @@ policy chooses may never show, so the policy runs them itself, as regular, lossl
   would otherwise price plain decoding as dear as its cheapest drafting step;
 - the drafter's call at a new load (a policy that finds drafting dear stops drafting): until the
   drafter has been timed drafting the whole block for a number of requests within a factor of 4 of
-  the current load, a quarter of the requests (then an eighth: two sizes give the call's slope)
-  draft the whole block, the others none, and the inner policy verifies of it what pays on the
+  the current load, a quarter of the requests (then an eighth: two sizes give the call's slope;
+  requests a lookup serves for free are passed over, since the call does not run for them) draft
+  the whole block, the others none, and the inner policy verifies of it what pays on the
   prices known so far (the call is spent by then; verifying the whole block too would cost a heavy
   load several plain steps and teach nothing the decoding steps do not).
 
@@ -65,11 +66,17 @@ class AutoPolicy(Policy):
         out = self.inner.draft_lengths(requests, block_size, free) if priced else None
         if requests and priced:
             self._pays[bucket(len(requests))] = self.inner.drafting_ratio >= 1.0
-        shape = self._shape_to_measure(len(requests))
+        # the drafter's call is timed only on requests it serves: a lookup's free proposal (the
+        # hybrid's where it matches) replaces the call, so a measuring step drafts for the others
+        served = [i for i in range(len(requests)) if not (free and free[i])]
+        shape = self._shape_to_measure(len(requests), len(served))
         self.measuring = None if shape is None else shape[0]
         if shape is not None:
             depth, n = shape
-            return [depth if i < n else 0 for i in range(len(requests))]
+            want = [0] * len(requests)
+            for i in served[:n] if depth else ():
+                want[i] = depth
+            return want
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
 
     def verify_lengths(self, requests, proposals) -> list[int]:
@@ -91,9 +98,11 @@ class AutoPolicy(Policy):
             self.costs.save()
         self.measuring = None
 
-    def _shape_to_measure(self, requests: int) -> tuple[int, int] | None:
+    def _shape_to_measure(self, requests: int, served: int) -> tuple[int, int] | None:
         """(the depth to run this step to, how many of its requests draft it) to measure it; None:
-        the costs know every shape at this load, or its measuring steps are spent."""
+        the costs know every shape at this load, or its measuring steps are spent, or (measuring
+        the drafter's call) none of the ``served`` requests, those the drafter itself would serve,
+        is left this step."""
         if not requests:
             return None
         b = bucket(requests)
@@ -119,7 +128,7 @@ class AutoPolicy(Policy):
         if any(not pays for lighter, pays in self._pays.items() if lighter <= b):
             return None
         depth = self.costs.missing(requests)
-        if depth is None:
+        if depth is None or not served:
             return None
         if first:
             log.info("auto policy: measuring the step costs at %d request(s)", requests)

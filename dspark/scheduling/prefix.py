@@ -17,7 +17,6 @@ from .profile import FreeProfile
 class PrefixState(LoadAwareState):
     """What the prefix policy keeps of one request."""
 
-    last_verified: int | None = None    # the length it verified at its last step with a proposal
     free_idle: int = 0                  # steps its free proposals went unverified in a row
     free_pending: int = 0               # tokens of a free proposal verified this step (0: none)
     # (verified, accepted) of the free proposal verified at its last step, for the free profile
@@ -36,10 +35,11 @@ class _HeldDepth:
 
 
 class PrefixPolicy(LoadAwarePolicy[PrefixState]):
-    """Paper Algorithm 1 over the engine's cost table (drafting included). Drafting goes no deeper
-    than the depth that pays on the observed acceptance profile, and no more than one beyond what
-    the request verified last step; when no depth pays (heavy load, or a drafter whose drafts cost
-    more than they return) the engine runs plain decoding, with a one-token probe now and then."""
+    """Paper Algorithm 1 over the engine's cost table (drafting included). Every request drafts to
+    the depth that pays on the observed acceptance profile (the depth the search priced: a request
+    that verified little last step drafts as deep, since its next block's confidences are new);
+    when no depth pays (heavy load, or a drafter whose drafts cost more than they return) the engine
+    runs plain decoding, with a one-token probe now and then."""
 
     name = "prefix"
     # the engine tells it, before it decides, what each request could draft for nothing (a lookup's
@@ -88,11 +88,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         self._idle = 0
         if self._reference_due():
             return self._drafting(requests, [0] * len(requests))
-        want = []
-        for r in requests:
-            last = self.states[r.id].last_verified
-            want.append(min(depth, (depth - 1 if last is None else last) + 2))
-        return self._with_free(requests, want, block_size, free)
+        return self._with_free(requests, [depth] * len(requests), block_size, free)
 
     def _depth(self, requests, cap: int) -> int:
         """The depth that pays: the held one while what its search read stands, else searched."""
@@ -162,8 +158,6 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
             if p.free and len(p):
                 lengths[i] = self._explore_free(st, lengths[i], verifying or i == alone)
                 st.free_pending = lengths[i]
-            if len(p):      # a drafter that found nothing to propose (n-gram miss) says nothing here
-                st.last_verified = lengths[i]
         self._record(requests, lengths)
         self._expect(requests, lengths, n_drafting, depth)
         return lengths
