@@ -115,28 +115,32 @@ def test_the_checks_reject_a_kernel_whose_rows_differ(monkeypatch):
     assert not L.packing_available.__wrapped__()
 
 
-def test_a_kernel_that_switches_at_a_row_count_is_chunked_below_it(monkeypatch):
-    """A CPU whose packed kernel rounds otherwise from 13 rows on (as AMX does from 33): the check
-    finds the limit, ``pack`` keeps the shape packed with it, and rows-alike products run in chunks
-    of at most 12 rows, so a row's bits hold; unchunked, the same kernel breaks the promise."""
+@pytest.mark.parametrize("switch, limit", [(12, 12), (50, L.ALIKE_EVERY)])
+def test_a_kernel_that_switches_at_a_row_count_is_chunked_below_it(monkeypatch, switch, limit):
+    """A CPU whose packed kernel rounds otherwise beyond ``switch`` rows (as AMX does beyond 32):
+    the check finds the limit (beyond the counts it checks one by one, the last of those), ``pack``
+    keeps the shape packed with it, and rows-alike products run in chunks no larger, so a row's
+    bits hold; unchunked, the same kernel breaks the promise."""
     if not _hardware_packs():
         pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
     real = L._packed_product
 
     def switching(x, w, b=None):
         y = real(x, w, b)
-        return y + y.abs() / 64 + 1e-3 if x.shape[0] > 12 else y
+        return y + y.abs() / 64 + 1e-3 if x.shape[0] > switch else y
 
     monkeypatch.setattr(L, "_packed_product", switching)
-    assert _alike_limit.__wrapped__((64, 48)) == 12
+    assert _alike_limit.__wrapped__((64, 48)) == limit
     monkeypatch.setattr(L, "rows_alike_limit", _alike_limit.__wrapped__)
     monkeypatch.setattr(L, "packing_available", lambda: True)
     w = _data(64, 48, seed=5)
     p = L.pack(w)
-    assert isinstance(p, L.PackedWeight) and p.alike == 12
-    _assert_rows_alike(p, 48)
-    with pytest.raises(AssertionError):
-        _assert_rows_alike(L.PackedWeight(w), 48)
+    assert isinstance(p, L.PackedWeight) and p.alike == limit
+    x = _data(100, 48, subnormal=0.05, seed=6)
+    alone = torch.cat([L.linear(x[i:i + 1], p, rows_alike=True) for i in range(100)])
+    for m in (2, limit, limit + 1, 2 * limit + 3, 100):
+        assert torch.equal(L.linear(x[:m], p, rows_alike=True), alone[:m])
+    assert not torch.equal(L.linear(x, L.PackedWeight(w), rows_alike=True), alone)
 
 
 def test_pack_leaves_other_weights_alone():

@@ -73,7 +73,8 @@ def packing_available() -> bool:
         return False
 
 
-ALIKE_COUNTS = (*range(2, 41), 48, 63, 64, 65, 100, 128, 129, 160)   # row counts the check compares
+ALIKE_EVERY = 40        # the check compares every row count up to this one, then the counts below
+ALIKE_COUNTS = (*range(2, ALIKE_EVERY + 1), 48, 63, 64, 65, 100, 128, 129, 160)
 MIN_ALIKE_ROWS = 8      # a shape kept alike only below this stays dense: chunks that small cost too much
 
 
@@ -81,11 +82,12 @@ MIN_ALIKE_ROWS = 8      # a shape kept alike only below this stays dense: chunks
 def rows_alike_limit(shape: tuple[int, int]) -> int | None:
     """Up to how many rows packed products of this weight shape give a row the bits it gets alone
     (one row runs as two, see ``linear``): None where every count checked agrees, else the largest
-    count below the first that differs (0: even two rows differ). CPUs whose oneDNN changes kernels
-    with the row count (AMX from 33 rows on) round some rows otherwise in large blocks, and only on
-    some inputs (rows with subnormal values, in the cases met), so the check is broad: 160 rows,
-    half of them 5 % and half 30 % subnormal, each computed alone against every count up to 40
-    and counts on both sides of the usual kernel boundaries up to 160."""
+    count below the first that differs (1: even two rows differ), at most ``ALIKE_EVERY`` (chunks
+    come in every size up to the limit, and only the counts up to it were each checked). CPUs whose
+    oneDNN changes kernels with the row count (AMX from 33 rows on) round some rows otherwise in
+    large blocks, and only on some inputs (rows with subnormal values, in the cases met), so the
+    check is broad: 160 rows, half of them 5 % and half 30 % subnormal, each computed alone against
+    every count up to 40 and counts on both sides of the usual kernel boundaries up to 160."""
     g = torch.Generator().manual_seed(0)
     w = PackedWeight(torch.randn(shape, generator=g).bfloat16())
     x = torch.randn(160, shape[1], generator=g)
@@ -96,7 +98,7 @@ def rows_alike_limit(shape: tuple[int, int]) -> int | None:
     agreed = 1
     for m in ALIKE_COUNTS:
         if not torch.equal(linear(x[:m], w, rows_alike=True), alone[:m]):
-            return agreed
+            return min(agreed, ALIKE_EVERY)
         agreed = m
     return None
 
