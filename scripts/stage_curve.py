@@ -56,8 +56,9 @@ def main() -> None:
             ax.semilogx([r["anchors"] for r in sel], [r["tau"] for r in sel], "o", label=f"{layers} layers")
             for r in sel:
                 ax.annotate(r["stage"], (r["anchors"], r["tau"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
-        hi = max(reach, max(r["anchors"] for r in rows)) * 1.3 if math.isfinite(reach) else max(r["anchors"] for r in rows) * 3
-        xs = [min(r["anchors"] for r in rows) * 0.8 * (hi / (min(r["anchors"] for r in rows) * 0.8)) ** (i / 50) for i in range(51)]
+        seen = [r["anchors"] for r in rows]
+        lo, hi = min(seen) * 0.8, (max(reach, max(seen)) * 1.3 if math.isfinite(reach) else max(seen) * 3)
+        xs = [lo * (hi / lo) ** (i / 50) for i in range(51)]      # the fitted line, evenly in log
         ax.semilogx(xs, [a + b * math.log10(x) for x in xs], "--", color="grey", label=f"fit: +{b:.2f} per tenfold")
         ax.axhline(args.target, color="red", lw=0.8, label=args.label or f"target {args.target}")
         ax.set(xlabel="anchors trained on since the first run", ylabel="held-out tau (48 dev prompts, T = 1)",

@@ -74,7 +74,7 @@ class AutoPolicy(Policy):
         if shape is not None:
             depth, n = shape
             want = [0] * len(requests)
-            for i in served[:n] if depth else ():
+            for i in served[:n]:        # n = 0 for a plain step
                 want[i] = depth
             return want
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
