@@ -18,12 +18,24 @@ from pathlib import Path
 
 
 def read(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file")
     lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
-    if not rows:
-        raise SystemExit(f"{path}: no stages")
-    return [{"stage": r["stage"], "anchors": float(r["anchors_m"]) * 1e6, "layers": int(r["layers"]),
-             "tau": float(r["dev_tau"])} for r in rows]
+    if len(rows) < 2:
+        raise SystemExit(f"{path}: a fit needs at least 2 stages, found {len(rows)}")
+    out = []
+    for n, r in enumerate(rows, 1):
+        try:
+            out.append({"stage": r["stage"], "anchors": float(r["anchors_m"]) * 1e6, "layers": int(r["layers"]),
+                        "tau": float(r["dev_tau"])})
+        except (KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"{path}: stage row {n}: needs stage, anchors_m, layers, dev_tau ({e!r})") from None
+        if out[-1]["anchors"] <= 0:
+            raise SystemExit(f"{path}: stage row {n}: anchors_m must be positive")
+    if len({r["anchors"] for r in out}) < 2:
+        raise SystemExit(f"{path}: a fit needs stages at two or more anchor counts")
+    return out
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
