@@ -60,7 +60,7 @@ def _non_negative_int(s: str) -> int:
     return v
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
+def _add_model_flags(p: argparse.ArgumentParser, compile_default: bool = False) -> None:
     p.add_argument("--target", default=None,
                    help="bundled model name, Hugging Face model folder or .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct)")
@@ -72,6 +72,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="a token decoded alone and verified inside a block attend bit for bit alike, "
                         "so bf16 greedy speculative output equals bf16 plain decoding (fp32 does without "
                         "it); costs about 17 %% of a forward at one request, 3 %% for blocks of 8, on the README's CPU")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile_default,
+                   help="run one request's decoding and verification forwards as compiled graphs (bf16 on a "
+                        "CPU; builds them at start, about 2 minutes on 2 cores; default: "
+                        + ("on" if compile_default else "off") + ")")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
@@ -146,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-prompts", type=_positive_int, default=64,
                     help="most prompts in one /v1/completions request, a 400 past it (default: 64)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _add_model_flags(sv)
+    _add_model_flags(sv, compile_default=True)
 
     pr = sub.add_parser("profile", help="measure engine step costs on this machine (the cost table)")
     pr.add_argument("--drafter", default="ngram")

@@ -30,14 +30,18 @@ import torch
 import torch.nn.functional as F
 
 
-class PackedWeight:
+class PackedWeight(torch.nn.Module):
     """A 2-D bf16 weight ``[out, in]`` in oneDNN's packed layout (opaque: use ``linear`` on it, or
-    ``dense()`` for the plain tensor, which re-lays it out: not for the hot path)."""
+    ``dense()`` for the plain tensor, which re-lays it out: not for the hot path). A module holding
+    the packed tensor as a buffer, so that a compiled forward reached through it takes the tensor as
+    a frozen constant (runtime/compiled.py)."""
 
-    __slots__ = ("packed", "shape", "dtype", "device", "alike")
+    packed: torch.Tensor
 
     def __init__(self, w: torch.Tensor, alike: int | None = None):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+        super().__init__()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None),
+                             persistent=False)
         self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
         # rows_alike products run in chunks of at most this many rows (None: any number)
         self.alike = alike

@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -235,8 +236,12 @@ _LOADED: dict = {}
 
 
 def target_from_args(args) -> Target:
-    """``load_target`` from a command's model flags (--target, --dtype, --device, --batch-invariant)."""
-    return load_target(args.target, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
+    """``load_target`` from a command's model flags (--target, --dtype, --device, --batch-invariant,
+    --compile: says on stderr what compiling did)."""
+    t = load_target(args.target, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant)
+    if getattr(args, "compile", False):
+        print(f"dspark: {t.model.compile()}", file=sys.stderr)
+    return t
 
 
 def load_target(target: str | os.PathLike | None = None, dtype: str | torch.dtype = "bf16",

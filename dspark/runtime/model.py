@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .config import DecoderConfig
 from .attention import SlotBatch, attend
+from .compiled import CompiledForward, warm_up
 from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
 from .layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
@@ -81,6 +82,8 @@ class Decoder:
         # a token decoded alone and verified inside a block attend bit for bit alike (bf16 greedy
         # identity; runtime/invariant.py), at a small cost per forward
         self.batch_invariant = False
+        # one request's short segments as one compiled graph (runtime/compiled.py), once compile() is called
+        self._compiled: CompiledForward | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -153,6 +156,19 @@ class Decoder:
         cut.batch_invariant = self.batch_invariant
         return cut
 
+    def compile(self) -> str:
+        """Run one request's decoding rows and verification blocks as compiled graphs from now on
+        (runtime/compiled.py), building them at once; what happened, in one line."""
+        if self._compiled is not None and not self._compiled.disabled:
+            return "compiled already"
+        self._compiled = CompiledForward(self)
+        if self._compiled.disabled:
+            return f"eager forward ({self._compiled.disabled})"
+        seconds = warm_up(self)
+        if self._compiled.disabled:
+            return f"eager forward ({self._compiled.disabled})"
+        return f"compiled the one-request forward in {seconds:.0f} s"
+
     @property
     def kv_dtype(self) -> torch.dtype:
         """The cache (and attention arithmetic) dtype. On CPUs a bf16 model keeps its keys and
@@ -198,6 +214,16 @@ class Decoder:
         rope_tables = {name: r.tables(positions, max_pos) for name, r in self.ropes.items()}
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
+        if self._compiled is not None and self._compiled.takes(segments, starts) and not self.batch_invariant:
+            (cos, sin), = rope_tables.values()
+            (slot, n), = segments
+            mask = self._masks(segments, starts)[0](None)   # None for one row: a graph takes a tensor
+            outs = self._compiled(input_ids, cos, sin, cache, positions, slot, max_pos,
+                                  mask if mask is not None else cos.new_zeros((1, 1), dtype=self.kv_dtype))
+            if outs is not None:
+                cache.lengths[slot] = max_pos
+                return ForwardOutput(self._logits(outs[0], segments, logits_rows), outs[0],
+                                     tuple(outs[1 + i] for i in feature_layers))
         attend_fn = self._attention(segments, starts)
         shape = LayerShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                            cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5,

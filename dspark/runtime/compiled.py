@@ -1,0 +1,155 @@
+"""One request's forward as one compiled graph: decoding one row and verifying one block.
+
+At one request a bf16 forward on a CPU spends about a third of its time outside the matrix products,
+in some 2,000 small operators (norms, RoPE, the fp32 cache's conversions, cache writes, attention's
+views), each a few microseconds of dispatch for a few hundred bytes of work. A segment of one
+request has the simplest attention of all (causal, against its own cache slot, no padding), so its
+whole layer stack compiles into one graph: ``torch.compile`` (inductor) fuses the pointwise work of
+a layer into a few C++ loops, takes the packed weights as frozen constants (they are buffers of the
+``PackedWeight`` modules, runtime/linear.py) so the products run as they do eagerly, and a C++
+wrapper calls the kernels without Python between them (gpt-fast's compiled decoding step, on a CPU).
+
+Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
+and a block (a verification; the row count stays symbolic, as do the context length, the slot and
+the cache's size). Each takes tens of seconds to build on two cores (inductor's on-disk cache
+makes a later process faster), so ``Decoder.compile`` builds both at once, before serving.
+
+What a compiled forward computes is the eager forward's arithmetic, but inductor keeps a layer's
+pointwise chain in fp32 registers where eager rounds each step to bf16: the logits differ in the
+last bf16 bits, as those of a batched and a lone row already do (runtime/attention.py). So it is a
+bf16 fast path only: fp32 models and the batch-invariant mode, whose guarantees are bit-level,
+never take it. Sliding-window and multi-RoPE models (Gemma 3) stay eager too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch._inductor.config
+import torch.nn.functional as F
+
+from .attention import attend
+from .layer import LayerShape, decoder_layer, rms_norm
+from .linear import PackedWeight
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
+    from .model import Decoder
+
+log = logging.getLogger(__name__)
+
+# a one-request segment this long or shorter runs compiled (decoding rows, verification blocks);
+# prefill chunks run eagerly, where the products dominate anyway
+MAX_ROWS = 16
+# the context the graphs are built after (warm_up): longer than any compiled segment
+CONTEXT = MAX_ROWS + 1
+# inductor: weights as constants (the packed products stay oneDNN's), no Python between kernels
+CONFIG = {"freezing": True, "cpp_wrapper": True}
+
+
+def eligible(decoder: Decoder) -> str | None:
+    """Why this decoder cannot take the compiled path, or None when it can."""
+    if decoder.device.type != "cpu" or decoder.dtype != torch.bfloat16:
+        return "only bf16 on a CPU compiles (fp32 is the exact dtype)"
+    if decoder.batch_invariant:
+        return "the batch-invariant mode keeps its own eager path"
+    if any(w is not None for w in decoder.config.sliding_windows) or len(decoder.ropes) != 1:
+        return "sliding-window attention stays eager"
+    if not all(isinstance(lw.qkv, PackedWeight) for lw in decoder.layers):
+        return "this CPU does not pack bf16 weights (runtime/linear.py)"
+    return None
+
+
+class LayerStack(torch.nn.Module):
+    """The layers of one request's segment: embedding -> layers -> final norm. A module so that the
+    packed weights, registered below, are frozen into the graph instead of guarded inputs."""
+
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    embed_scale: torch.Tensor | None
+
+    def __init__(self, decoder: Decoder):
+        super().__init__()
+        # the decoder's tensors held here, not reached through it: a graph is guarded on the
+        # objects it reads, and the decoder's attributes change (its compiled path, its mode)
+        self.layers = list(decoder.layers)
+        self.register_buffer("embed", decoder.embed, persistent=False)
+        self.register_buffer("final_norm", decoder.final_norm, persistent=False)
+        self.register_buffer("embed_scale", decoder._embed_scale, persistent=False)
+        self.weights = torch.nn.ModuleList(
+            w for lw in decoder.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if isinstance(w, PackedWeight))
+        c = decoder.config
+        self.shape = LayerShape(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                                c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5, c.activation)
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
+                v: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor, end: int,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """input_ids [n] of one segment ending at key ``end``; cos, sin [n, 1, hd]; k, v per layer the
+        request's own slot of the cache, [1, Hkv, max_len, hd] views (so that the graph does not
+        depend on the cache's number of slots); slots (zeros), positions [n] where each row's key /
+        value goes; mask the [n, n] causal triangle (zeros for one row). -> (last hidden [n, d],
+        every layer's output [n, d] ...)."""
+        def attend_slot(qs, kc, vc, window, out):
+            attend(qs, kc[0, :, :end], vc[0, :, :end], mask, out)
+
+        x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        outs = []
+        for li, lw in enumerate(self.layers):
+            x = decoder_layer(lw, x, self.shape, (cos, sin), (k[li], v[li], slots, positions), attend_slot)
+            outs.append(x)
+        return (rms_norm(x, self.final_norm, self.shape.eps), *outs)
+
+
+class CompiledForward:
+    """The compiled ``LayerStack`` of a decoder, or the reason it runs eagerly."""
+
+    def __init__(self, decoder: Decoder):
+        self.disabled = eligible(decoder)
+        self._stack = None if self.disabled else torch.compile(LayerStack(decoder), dynamic=True)
+
+    def takes(self, segments: list[tuple[int, int]], starts: list[int]) -> bool:
+        """A segment of one request after a context at least as long as the one the graphs were
+        built on (decoding, verifying): a first chunk, whose rows are all the keys, and contexts
+        shorter than that were seen to build graphs of their own."""
+        return (self.disabled is None and len(segments) == 1 and segments[0][1] <= MAX_ROWS
+                and starts[0] >= CONTEXT)
+
+    def __call__(self, input_ids, cos, sin, cache: KVCache, positions, slot: int, end: int,
+                 mask) -> tuple[torch.Tensor, ...] | None:
+        """The stack's outputs, or None when compiling or running failed (logged once; the caller
+        runs the forward eagerly, and every later one too). A failed call wrote at most keys and
+        values past the slot's length, which the eager forward overwrites."""
+        assert self._stack is not None
+        try:
+            # a fresh tensor made here, whatever the caller's was (a view, made outside inference
+            # mode): a graph is guarded on such properties of its inputs and rebuilt when they change
+            input_ids = input_ids.clone()
+            k = [t[slot:slot + 1] for t in cache.k]
+            v = [t[slot:slot + 1] for t in cache.v]
+            with torch._inductor.config.patch(CONFIG):
+                return self._stack(input_ids, cos, sin, k, v, positions.new_zeros(positions.shape), positions,
+                                   end, mask)
+        except Exception as e:   # a compiler missing or failing on this machine: decode eagerly
+            self.disabled = f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            self._stack = None
+            log.warning("dspark: the compiled one-request forward is off: %s", self.disabled)
+            return None
+
+
+def warm_up(decoder: Decoder) -> float:
+    """Build the two graphs (a decoding row, a verification block) on a scratch cache; the seconds
+    it took. The sizes differ from each other and from the model's (a graph built where two sizes
+    are equal assumes they always are)."""
+    t = time.perf_counter()
+    cache = decoder.new_cache(1, 100)
+    ids = torch.zeros(CONTEXT, dtype=torch.long)
+    decoder.forward(ids, [(0, CONTEXT)], cache, logits_rows=None)     # a prefill: eager
+    for n in (1, 13):
+        decoder.forward(ids[:n], [(0, n)], cache, logits_rows=None)
+    return time.perf_counter() - t
