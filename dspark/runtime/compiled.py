@@ -10,9 +10,9 @@ a layer into a few C++ loops, takes the packed weights as frozen constants (they
 wrapper calls the kernels without Python between them (gpt-fast's compiled decoding step, on a CPU).
 
 Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
-and a block (a verification; the row count stays symbolic, as do the context length, the slot and
-the cache's size). Each takes tens of seconds to build on two cores (inductor's on-disk cache
-makes a later process faster), so ``Decoder.compile`` builds both at once, before serving.
+and a block (a verification; the row count stays symbolic, as do the context length and the cache's
+length). Each takes about a minute to build on two cores, in every process (frozen graphs are not
+reused from inductor's on-disk cache), so ``Decoder.compile`` builds both at once, before serving.
 
 What a compiled forward computes is the eager forward's arithmetic, but inductor keeps a layer's
 pointwise chain in fp32 registers where eager rounds each step to bf16: the logits differ in the
@@ -32,7 +32,7 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 from .attention import attend
-from .layer import LayerShape, decoder_layer, rms_norm
+from .layer import decoder_layer, rms_norm
 from .linear import PackedWeight
 
 if TYPE_CHECKING:
@@ -81,18 +81,17 @@ class LayerStack(torch.nn.Module):
         self.register_buffer("embed_scale", decoder._embed_scale, persistent=False)
         self.weights = torch.nn.ModuleList(
             w for lw in decoder.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if isinstance(w, PackedWeight))
-        c = decoder.config
-        self.shape = LayerShape(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                                c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5, c.activation)
+        self.shape = decoder.layer_shape
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
-                v: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor, end: int,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                v: list[torch.Tensor], positions: torch.Tensor, end: int,
+                mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """input_ids [n] of one segment ending at key ``end``; cos, sin [n, 1, hd]; k, v per layer the
         request's own slot of the cache, [1, Hkv, max_len, hd] views (so that the graph does not
-        depend on the cache's number of slots); slots (zeros), positions [n] where each row's key /
-        value goes; mask the [n, n] causal triangle (zeros for one row). -> (last hidden [n, d],
-        every layer's output [n, d] ...)."""
+        depend on the cache's number of slots); positions [n] where each row's key / value goes;
+        mask the [n, n] causal triangle (zeros for one row). -> (last hidden [n, d], every layer's
+        output [n, d] ...)."""
+        slots = torch.zeros_like(positions)     # every row into the one slot of the views
         def attend_slot(qs, kc, vc, window, out):
             attend(qs, kc[0, :, :end], vc[0, :, :end], mask, out)
 
@@ -133,8 +132,7 @@ class CompiledForward:
             k = [t[slot:slot + 1] for t in cache.k]
             v = [t[slot:slot + 1] for t in cache.v]
             with torch._inductor.config.patch(CONFIG):
-                return self._stack(input_ids, cos, sin, k, v, positions.new_zeros(positions.shape), positions,
-                                   end, mask)
+                return self._stack(input_ids, cos, sin, k, v, positions, end, mask)
         except Exception as e:   # a compiler missing or failing on this machine: decode eagerly
             self.disabled = f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             self._stack = None

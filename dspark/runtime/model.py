@@ -82,6 +82,9 @@ class Decoder:
         # a token decoded alone and verified inside a block attend bit for bit alike (bf16 greedy
         # identity; runtime/invariant.py), at a small cost per forward
         self.batch_invariant = False
+        self.layer_shape = LayerShape(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                      config.attn_scale if config.attn_scale is not None else config.head_dim ** -0.5,
+                                      config.activation)
         # one request's short segments as one compiled graph (runtime/compiled.py), once compile() is called
         self._compiled: CompiledForward | None = None
 
@@ -212,8 +215,6 @@ class Decoder:
         positions = pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)
         max_pos = max(s + n for s, (_, n) in zip(starts, segments))
         rope_tables = {name: r.tables(positions, max_pos) for name, r in self.ropes.items()}
-        # where each new row's key / value goes: (slot, position)
-        wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
         if self._compiled is not None and self._compiled.takes(segments, starts) and not self.batch_invariant:
             (cos, sin), = rope_tables.values()
             (slot, n), = segments
@@ -224,17 +225,16 @@ class Decoder:
                 cache.lengths[slot] = max_pos
                 return ForwardOutput(self._logits(outs[0], segments, logits_rows), outs[0],
                                      tuple(outs[1 + i] for i in feature_layers))
+        # where each new row's key / value goes: (slot, position)
+        wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
         attend_fn = self._attention(segments, starts)
-        shape = LayerShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                           cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5,
-                           cfg.activation)
         x = F.embedding(input_ids, self.embed)
         if self._embed_scale is not None:
             x = x * self._embed_scale
         wanted = set(feature_layers)
         feats = {}
         for li, lw in enumerate(self.layers):
-            x = decoder_layer(lw, x, shape, rope_tables[lw.rope], (cache.k[li], cache.v[li], wslot, positions),
+            x = decoder_layer(lw, x, self.layer_shape, rope_tables[lw.rope], (cache.k[li], cache.v[li], wslot, positions),
                               attend_fn, alike=self.batch_invariant)
             if li in wanted:
                 feats[li] = x
