@@ -3,7 +3,7 @@ engine's step against the target's forward inside it, the forward's time by oper
 profiler, self CPU time), and each weight shape's product against the machine's memory bandwidth
 (what a one-row product is bound by: it streams its whole weight once).
 
-    .venv/bin/python scripts/decode_breakdown.py --threads 2
+    .venv/bin/python scripts/decode_breakdown.py --threads 2 [--compile]
 
 Run it alone on the machine: every figure is a median or a best of several calls.
 """
@@ -101,9 +101,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=12, help="operators listed")
+    ap.add_argument("--compile", action="store_true",
+                    help="the compiled one-request forward (runtime/compiled.py), as `dspark serve` runs it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(None, dtype=args.dtype)
+    if args.compile:
+        print(target.model.compile())
     prompt = encode_prompt(target.tokenizer, load_prompts("gsm8k", 1)[0], chat=True)
     engine_steps(target.model, prompt, 32)      # warm-up
     runs = [engine_steps(target.model, prompt, args.max_new_tokens) for _ in range(3)]

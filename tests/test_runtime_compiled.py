@@ -46,14 +46,18 @@ def test_a_compiled_one_request_forward_gives_the_eager_results(pair):
         assert message.startswith("eager forward (")
         pytest.skip(message)
     assert message.startswith("compiled the one-request forward in")
+    assert compiled._compiled.warm      # both graphs built: calls check only the guards between them
     calls = []
     stack = compiled._compiled._stack
     compiled._compiled._stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     try:
         (lc, fc, cc), (le, fe, ce) = _steps(compiled), _steps(eager)
     finally:
         compiled._compiled._stack = stack
     assert calls == [1, 1, 1, 1, 5, 3]            # every decoding row and block; not the prefill
+    # another cache (slots, length), slot and context than warm_up's: the same two graphs
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert cc.lengths == ce.lengths == [0, 29, 0]
     for a, b in zip(lc, le):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.bfloat16
@@ -64,6 +68,22 @@ def test_a_compiled_one_request_forward_gives_the_eager_results(pair):
     for kc, ke in zip(cc.k + cc.v, ce.k + ce.v):   # the keys and values written, in the slot used only
         torch.testing.assert_close(kc[1, :, :29], ke[1, :, :29], atol=0.02, rtol=0.02)
         assert not kc[[0, 2]].any()
+
+
+def test_two_compiled_decoders_of_other_weights_each_give_their_own_results(pair):
+    """The graphs of every decoder share one code object (LayerStack.forward) and, once warm, a
+    call checks only the guards that tell graphs apart: those must tell the decoders apart too."""
+    first, first_eager, message = pair
+    if first._compiled.disabled:
+        pytest.skip(message)
+    other, other_eager = _decoder(), _decoder()
+    for dec in (other, other_eager):
+        dec.embed.mul_(-1.5)            # other weights, the same shapes
+    other.compile()
+    for dec, ref in ((other, other_eager), (first, first_eager)):
+        (lc, _, _), (le, _, _) = _steps(dec), _steps(ref)
+        for a, b in zip(lc, le):
+            torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
 
 
 def test_compiling_twice_keeps_the_graphs(pair):
