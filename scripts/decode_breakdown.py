@@ -3,7 +3,7 @@ engine's step against the target's forward inside it, the forward's time by oper
 profiler, self CPU time), and each weight shape's product against the machine's memory bandwidth
 (what a one-row product is bound by: it streams its whole weight once).
 
-    .venv/bin/python scripts/decode_breakdown.py --threads 2 [--compile]
+    .venv/bin/python scripts/decode_breakdown.py --threads 2 [--compile [--kernels]]
 
 Run it alone on the machine: every figure is a median or a best of several calls.
 """
@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from dspark.api import encode_prompt
 from dspark.data import load_prompts
 from dspark.engine import Engine
+from dspark.runtime import compiled
 from dspark.runtime.linear import PackedWeight, dense, linear, pack
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
@@ -103,10 +104,15 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="operators listed")
     ap.add_argument("--compile", action="store_true",
                     help="the compiled one-request forward (runtime/compiled.py), as `dspark serve` runs it")
+    ap.add_argument("--kernels", action="store_true",
+                    help="with --compile: each kernel and library call inside the compiled graph in the "
+                         "operator table (inductor's kernel profiling), not the graph as one entry")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(None, dtype=args.dtype)
     if args.compile:
+        if args.kernels:
+            compiled.CONFIG = {**compiled.CONFIG, "cpp.enable_kernel_profile": True}
         print(target.model.compile())
     prompt = encode_prompt(target.tokenizer, load_prompts("gsm8k", 1)[0], chat=True)
     engine_steps(target.model, prompt, 32)      # warm-up

@@ -15,8 +15,8 @@ length). Each takes about a minute to build on two cores, in every process (froz
 reused from inductor's on-disk cache), so ``Decoder.compile`` builds both at once, before serving.
 
 What a compiled forward computes is the eager forward's arithmetic, but inductor keeps a layer's
-pointwise chain in fp32 registers where eager rounds each step to bf16: the logits differ in the
-last bf16 bits, as those of a batched and a lone row already do (runtime/attention.py). So it is a
+pointwise chain in fp32 registers where eager rounds each step to bf16, and attention runs as
+torch's fused kernel (its own order of sums): the logits differ in the last bf16 bits, as those of a batched and a lone row already do (runtime/attention.py). So it is a
 bf16 fast path only: fp32 models and the batch-invariant mode, whose guarantees are bit-level,
 never take it. Sliding-window and multi-RoPE models (Gemma 3) stay eager too.
 """
@@ -31,7 +31,6 @@ import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
-from .attention import attend
 from .layer import decoder_layer, rms_norm
 from .linear import PackedWeight
 
@@ -92,8 +91,17 @@ class LayerStack(torch.nn.Module):
         mask the [n, n] causal triangle (zeros for one row). -> (last hidden [n, d], every layer's
         output [n, d] ...)."""
         slots = torch.zeros_like(positions)     # every row into the one slot of the views
+        # the segment's rows see every key before them and the causal triangle of their own; one
+        # fused attention call (torch's CPU flash kernel) per layer instead of attend()'s two
+        # batched products and softmax: within rounding of it, and its cost grows more slowly
+        # with the context (scripts/compiled_time.py --context)
+        n = input_ids.shape[0]
+        full_mask = None if n == 1 else F.pad(mask, (end - n, 0))      # [n, end], 0 = visible
+
         def attend_slot(qs, kc, vc, window, out):
-            attend(qs, kc[0, :, :end], vc[0, :, :end], mask, out)
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], kc[:, :, :end], vc[:, :, :end],
+                                               attn_mask=full_mask, scale=1.0, enable_gqa=True)  # q already scaled
+            out.copy_(o[0].transpose(0, 1).reshape(n, -1))
 
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
