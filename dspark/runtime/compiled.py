@@ -16,9 +16,9 @@ reused from inductor's on-disk cache), so ``Decoder.compile`` builds both at onc
 
 What a compiled forward computes is the eager forward's arithmetic, but inductor keeps a layer's
 pointwise chain in fp32 registers where eager rounds each step to bf16, and attention runs as
-torch's fused kernel (its own order of sums): the logits differ in the last bf16 bits, as those of a batched and a lone row already do (runtime/attention.py). So it is a
-bf16 fast path only: fp32 models and the batch-invariant mode, whose guarantees are bit-level,
-never take it. Sliding-window and multi-RoPE models (Gemma 3) stay eager too.
+torch's fused kernel (its own order of sums): the logits differ in the last bf16 bits, as those of
+a batched and a lone row already do (runtime/attention.py). So it is a bf16 fast path only: fp32
+models and the batch-invariant mode, whose guarantees are bit-level, never take it. Sliding-window and multi-RoPE models (Gemma 3) stay eager too.
 """
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ class LayerStack(torch.nn.Module):
         output [n, d] ...)."""
         slots = torch.zeros_like(positions)     # every row into the one slot of the views
         # the segment's rows see every key before them and the causal triangle of their own; one
-        # fused attention call (torch's CPU flash kernel) per layer instead of attend()'s two
-        # batched products and softmax: within rounding of it, and its cost grows more slowly
-        # with the context (scripts/compiled_time.py --context)
+        # fused attention call (torch's CPU flash kernel) per layer instead of the eager path's two
+        # batched products and softmax: within rounding of them, and its cost grows more slowly
+        # with the context (docs/speed.md, the runtime)
         n = input_ids.shape[0]
         full_mask = None if n == 1 else F.pad(mask, (end - n, 0))      # [n, end], 0 = visible
 
@@ -121,7 +121,7 @@ class CompiledForward:
         self._stack = None if self.disabled else torch.compile(LayerStack(decoder), dynamic=True)
         # set by warm_up once both graphs exist: from then on a call checks only the guards that
         # tell the graphs apart (one row or a block), not the ~200 that re-check every weight,
-        # cache view and global setting (~0.6 ms of a 17 ms decoding step on 2 cores). Safe
+        # cache view and global setting, a few percent of a decoding step. Safe
         # because ``takes`` admits only what the graphs were built for (one bf16 request's
         # segment, the same weights, inference mode: Decoder.forward runs in it), and the
         # sizes that vary are symbolic in both graphs
