@@ -1,12 +1,12 @@
 """The compiled one-request forward (runtime/compiled.py) against the eager one, side by side in one
 process (and the compiled one checking all of its guards against only those that tell its graphs
 apart): one request decoding a row and verifying a block of 8 at a context of about 300 tokens,
-the two paths alternated in rounds (median per path), plus how far their logits are apart over a
-greedy decode.
+the three paths alternated in rounds (median per path), plus how far the eager and compiled logits
+are apart over a greedy decode.
 
     .venv/bin/python scripts/compiled_time.py --threads 2
 
-Run it alone on the machine; building the two graphs takes about 2 minutes on 2 cores.
+Run it alone on the machine; building the two graphs takes 1 - 2 minutes on 2 cores.
 """
 
 import argparse

@@ -108,6 +108,8 @@ def main() -> None:
                     help="with --compile: each kernel and library call inside the compiled graph in the "
                          "operator table (inductor's kernel profiling), not the graph as one entry")
     args = ap.parse_args()
+    if args.kernels and not args.compile:
+        ap.error("--kernels needs --compile")
     torch.set_num_threads(args.threads)
     target = load_target(None, dtype=args.dtype)
     if args.compile:

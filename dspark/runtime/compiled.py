@@ -18,7 +18,8 @@ What a compiled forward computes is the eager forward's arithmetic, but inductor
 pointwise chain in fp32 registers where eager rounds each step to bf16, and attention runs as
 torch's fused kernel (its own order of sums): the logits differ in the last bf16 bits, as those of
 a batched and a lone row already do (runtime/attention.py). So it is a bf16 fast path only: fp32
-models and the batch-invariant mode, whose guarantees are bit-level, never take it. Sliding-window and multi-RoPE models (Gemma 3) stay eager too.
+models and the batch-invariant mode, whose guarantees are bit-level, never take it. Sliding-window
+and multi-RoPE models (Gemma 3) stay eager too.
 """
 
 from __future__ import annotations
@@ -119,9 +120,10 @@ class CompiledForward:
     def __init__(self, decoder: Decoder):
         self.disabled = eligible(decoder)
         self._stack = None if self.disabled else torch.compile(LayerStack(decoder), dynamic=True)
-        # set by warm_up once both graphs exist: from then on a call checks only the guards that
-        # tell the graphs apart (one row or a block), not the ~200 that re-check every weight,
-        # cache view and global setting, a few percent of a decoding step. Safe
+        # set by warm_up once both graphs exist: from then on a call checks a reduced set of guards
+        # (dynamo's ``skip_guard_eval_unsafe``: the input tensors' checks that tell the graphs
+        # apart, not the identity and global-state checks over every frozen weight and setting),
+        # a few percent of a decoding step. Safe
         # because ``takes`` admits only what the graphs were built for (one bf16 request's
         # segment, the same weights, inference mode: Decoder.forward runs in it), and the
         # sizes that vary are symbolic in both graphs
