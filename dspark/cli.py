@@ -74,7 +74,7 @@ def _add_model_flags(p: argparse.ArgumentParser, compile_default: bool = False) 
                         "it); costs about 17 %% of a forward at one request, 3 %% for blocks of 8, on the README's CPU")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile_default,
                    help="run one request's decoding and verification forwards as compiled graphs (bf16 on a "
-                        "CPU; builds them at start, about 2 minutes on 2 cores; default: "
+                        "CPU; builds them at start, 1 - 2 minutes on 2 cores; default: "
                         + ("on" if compile_default else "off") + ")")
 
 

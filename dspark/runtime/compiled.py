@@ -95,7 +95,7 @@ class LayerStack(torch.nn.Module):
         # the segment's rows see every key before them and the causal triangle of their own; one
         # fused attention call (torch's CPU flash kernel) per layer instead of the eager path's two
         # batched products and softmax: within rounding of them, and its cost grows more slowly
-        # with the context (docs/speed.md, the runtime)
+        # with the context (measured in the commit that made it)
         n = input_ids.shape[0]
         full_mask = None if n == 1 else F.pad(mask, (end - n, 0))      # [n, end], 0 = visible
 
@@ -120,14 +120,15 @@ class CompiledForward:
     def __init__(self, decoder: Decoder):
         self.disabled = eligible(decoder)
         self._stack = None if self.disabled else torch.compile(LayerStack(decoder), dynamic=True)
-        # set by warm_up once both graphs exist: from then on a call checks a reduced set of guards
-        # (dynamo's ``skip_guard_eval_unsafe``: the input tensors' checks that tell the graphs
-        # apart, not the identity and global-state checks over every frozen weight and setting),
-        # a few percent of a decoding step. Safe
-        # because ``takes`` admits only what the graphs were built for (one bf16 request's
-        # segment, the same weights, inference mode: Decoder.forward runs in it), and the
-        # sizes that vary are symbolic in both graphs
+        # set by Decoder.compile once both graphs exist: from then on a call checks a reduced set
+        # of guards (dynamo's ``skip_guard_eval_unsafe``: the input tensors' checks that tell the
+        # graphs apart, not the identity and global-state checks over every frozen weight and
+        # setting), a few percent of a decoding step. Safe because ``takes`` admits only what the
+        # graphs were built for (one bf16 request's segment, the same weights, inference mode:
+        # Decoder.forward runs in it), and the sizes that vary are symbolic in both graphs
         self.warm = False
+        # what a one-row call passes as its mask (the graph reads none): one tensor, not one a step
+        self._no_mask = torch.zeros((1, 1), dtype=decoder.kv_dtype)
 
     def takes(self, segments: list[tuple[int, int]], starts: list[int]) -> bool:
         """A segment of one request after a context at least as long as the one the graphs were
@@ -137,10 +138,11 @@ class CompiledForward:
                 and starts[0] >= CONTEXT)
 
     def __call__(self, input_ids, cos, sin, cache: KVCache, positions, slot: int, end: int,
-                 mask) -> tuple[torch.Tensor, ...] | None:
+                 mask: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
         """The stack's outputs, or None when compiling or running failed (logged once; the caller
-        runs the forward eagerly, and every later one too). A failed call wrote at most keys and
-        values past the slot's length, which the eager forward overwrites."""
+        runs the forward eagerly, and every later one too). ``mask``: the block's causal triangle,
+        None for one row. A failed call wrote at most keys and values past the slot's length, which
+        the eager forward overwrites."""
         assert self._stack is not None
         try:
             # a fresh tensor made here, whatever the caller's was (a view, made outside inference
@@ -150,7 +152,8 @@ class CompiledForward:
             v = [t[slot:slot + 1] for t in cache.v]
             with torch._inductor.config.patch(CONFIG), \
                     torch.compiler.set_stance(skip_guard_eval_unsafe=self.warm):
-                return self._stack(input_ids, cos, sin, k, v, positions, end, mask)
+                return self._stack(input_ids, cos, sin, k, v, positions, end,
+                                   self._no_mask if mask is None else mask)
         except Exception as e:   # a compiler missing or failing on this machine: decode eagerly
             self.disabled = f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             self._stack = None
@@ -168,6 +171,4 @@ def warm_up(decoder: Decoder) -> float:
     decoder.forward(ids, [(0, CONTEXT)], cache, logits_rows=None)     # a prefill: eager
     for n in (1, 13):
         decoder.forward(ids[:n], [(0, n)], cache, logits_rows=None)
-    if decoder._compiled is not None and not decoder._compiled.disabled:
-        decoder._compiled.warm = True
     return time.perf_counter() - t

@@ -170,6 +170,7 @@ class Decoder:
         seconds = warm_up(self)
         if self._compiled.disabled:
             return f"eager forward ({self._compiled.disabled})"
+        self._compiled.warm = True
         return f"compiled the one-request forward in {seconds:.0f} s"
 
     @property
@@ -218,9 +219,8 @@ class Decoder:
         if self._compiled is not None and self._compiled.takes(segments, starts) and not self.batch_invariant:
             (cos, sin), = rope_tables.values()
             (slot, n), = segments
-            mask = self._masks(segments, starts)[0](None)   # None for one row: a graph takes a tensor
-            outs = self._compiled(input_ids, cos, sin, cache, positions, slot, max_pos,
-                                  mask if mask is not None else cos.new_zeros((1, 1), dtype=self.kv_dtype))
+            mask = self._masks(segments, starts)[0](None)   # the block's causal triangle, None for one row
+            outs = self._compiled(input_ids, cos, sin, cache, positions, slot, max_pos, mask)
             if outs is not None:
                 cache.lengths[slot] = max_pos
                 return ForwardOutput(self._logits(outs[0], segments, logits_rows), outs[0],
