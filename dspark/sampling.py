@@ -76,6 +76,14 @@ class SamplingParams:
         return g
 
 
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(-1)``: the first index of each row's largest value (a NaN counts as the
+    largest, the first one), read from ``torch.max``, which promises the same indices: its CPU
+    kernel runs several times faster than argmax's over a vocabulary-wide bf16 or fp32 row (the
+    commit that brought this in has the figures), and greedy decoding takes one a token."""
+    return scores.max(-1).indices
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> fp32 probabilities after temperature, top-k and top-p.
 
@@ -88,7 +96,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if params.greedy:
         out = torch.zeros_like(logits)
-        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return out.scatter_(-1, argmax(logits)[..., None], 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
@@ -159,7 +167,7 @@ def sample_from_logits(logits: torch.Tensor, params: SamplingParams,
     """(tokens, the fp32 probabilities they were drawn from)."""
     probs = probs_from_logits(logits, params)
     if params.greedy:
-        return probs.argmax(-1), probs
+        return argmax(probs), probs
     return sample(probs, generator), probs
 
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, argmax, probs_from_logits, sample
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Temperature 0: accept while the draft equals the target's argmax."""
-    best = target_logits.argmax(-1).cpu()
+    best = argmax(target_logits).cpu()
     l = draft_tokens.shape[0]
     draft_tokens = draft_tokens.cpu()
     if l == 0:
@@ -188,9 +188,9 @@ def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
     nan = torch.zeros(d + b, dtype=torch.bool, device=dev)
     if idx["argmax"]:
         scores = _select(target, t["argmax"])
-        best = scores.argmax(-1)        # a NaN counts as the largest: the score there is NaN
+        top, best = scores.max(-1)      # argmax's indices; a NaN counts as the largest: top is NaN there
         y.index_copy_(0, t["argmax"], best)
-        nan.index_copy_(0, t["argmax"], scores.gather(1, best[:, None])[:, 0].isnan())
+        nan.index_copy_(0, t["argmax"], top.isnan())
     if idx["drawn"]:
         drawn, total = _draw(_select(target, t["drawn"]), _to(torch.cat(u["drawn"]), dev))
         y.index_copy_(0, t["drawn"], drawn)
@@ -220,8 +220,8 @@ def _greedy_batch(draft_tokens: torch.Tensor, target: torch.Tensor, lengths: lis
     """``verify_batch`` when every request is greedy: each row's argmax and whether its score there
     is NaN come to the host with the drafts in one transfer, and each block's first mismatch is
     found there (a step of a few requests has a few dozen rows: fewer kernels than the general path)."""
-    best = target.argmax(-1)        # a NaN counts as the largest: the score there is NaN
-    nan = target.gather(1, best[:, None])[:, 0].isnan()
+    top, best = target.max(-1)      # argmax's indices (sampling.argmax); a NaN counts as the largest
+    nan = top.isnan()
     flat = torch.cat([best, nan.long(), _to(draft_tokens.long(), best.device)]).tolist()   # the one synchronisation
     rows = len(best)
     out: list[tuple[int, int] | None] = []

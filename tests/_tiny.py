@@ -13,7 +13,7 @@ from dspark.runtime.model import Decoder
 VOCAB = 5
 
 
-def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB) -> Decoder:
+def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB, dtype=torch.float32) -> Decoder:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -21,7 +21,7 @@ def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB) -> Decode
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(scale)     # sharper, context-dependent distributions
-    return Decoder.from_hf(m)
+    return Decoder.from_hf(m, dtype=dtype)
 
 
 def tiny_config(kind="dspark", head="vanilla", layers=1, block=3, vocab=VOCAB, qk_norm=False) -> DrafterConfig:

@@ -57,12 +57,12 @@ def test_a_compiled_one_request_forward_gives_the_eager_results(pair):
         compiled._compiled.warm = True
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     calls = []
-    stack = compiled._compiled._stack
-    compiled._compiled._stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    stack = compiled._compiled._module
+    compiled._compiled._module = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
     try:
         (lc, fc, cc), (le, fe, ce) = _steps(compiled), _steps(eager)
     finally:
-        compiled._compiled._stack = stack
+        compiled._compiled._module = stack
     assert calls == [1, 1, 1, 1, 5, 3]            # every decoding row and block; not the prefill
     assert cc.lengths == ce.lengths == [0, 29, 0]
     for a, b in zip(lc, le):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dspark.errors import UsageError
-from dspark.sampling import SamplingParams, penalised_logits, probs_from_logits, sample_from_logits
+from dspark.sampling import SamplingParams, argmax, penalised_logits, probs_from_logits, sample_from_logits
 
 from _lossless import naive_penalised
 
@@ -141,3 +141,21 @@ def test_penalties_match_a_token_by_token_reference_along_the_drafts(pen):
         torch.testing.assert_close(got[k], want)
     assert torch.equal(penalised_logits(logits[:1], params, prompt, []),
                        naive_penalised(logits[0], params, prompt, [])[None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 7), (3, 49152), (8, 8192), (33, 1000)])
+def test_argmax_is_torchs_argmax_with_ties_and_nans(dtype, rows, width):
+    """sampling.argmax (read from torch.max) picks argmax's index: the first of tied maxima, the
+    first NaN where a row has one, at widths past the kernels' vector and thread splits."""
+    g = torch.Generator().manual_seed(rows * width)
+    # few distinct values: ties of the largest are frequent, also across the halves of a row
+    x = torch.randint(0, 4, (rows, width), generator=g).to(dtype)
+    x[0, :width // 2] = x[0, :width // 2].clamp(max=2)     # row 0's first maximum: its middle
+    x[0, width // 2:] = 3
+    if rows > 1:
+        x[1, torch.randint(0, width, (3,), generator=g)] = float("nan")
+    if rows > 2:
+        x[2] = float("-inf")
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x[0]), x[0].argmax(-1))

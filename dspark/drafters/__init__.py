@@ -6,6 +6,7 @@ where a trained DSpark drafter exists for the target, else ngram)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..errors import UsageError
@@ -31,6 +32,15 @@ def trained_drafter_dirs(target_name: str, name: str) -> list[Path]:
 
 
 def load_trained(folder: Path, target, *, block_size: int | None = None, name: str | None = None) -> Drafter:
+    """A trained drafter's folder (ours or an engine's layout) loaded for ``target``; its one-request
+    pass compiled when the target's forwards are (``Decoder.compile``), saying so on stderr."""
+    drafter = _load_trained(folder, target, block_size=block_size, name=name)
+    if target.model.compiled:
+        print(f"dspark: {drafter.compile()}", file=sys.stderr)
+    return drafter
+
+
+def _load_trained(folder: Path, target, *, block_size: int | None = None, name: str | None = None):
     from .config import DrafterConfig
     from .dspark import DSparkDrafter, DSparkModel
     if _is_foreign(Path(folder)):     # a checkpoint in an engine's layout (DeepSpec, DFlash, speculators)

@@ -33,11 +33,12 @@ from ..runtime.linear import Weight, linear, pack, serve_fast
 from ..runtime.attention import SlotBatch, attend
 from ..runtime.layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
 from ..runtime.model import RopeTable
-from ..sampling import probs_from_logits, sample_rows, uniforms
+from ..sampling import argmax, probs_from_logits, sample_rows, uniforms
 from .backbone import Backbone, DrafterLayer
 from .base import DraftContext, Drafter, Proposal
+from .compiled import CompiledBlock, warm_up
 from .config import DrafterConfig
-from .heads import ConfidenceHead, SequentialHead
+from .heads import ConfidenceHead, MarkovRows, SequentialHead
 
 
 class DSparkModel(nn.Module):
@@ -191,6 +192,22 @@ class DSparkDrafter(Drafter):
         self.shifts = torch.tensor(shifts[:c.block_size] + [0.0] * (c.block_size - len(shifts)))
         self.cache: KVCache | None = None
         self._serving_weights()
+        self._compiled: CompiledBlock | None = None
+        head = self.model.head
+        self._markov = MarkovRows(head, pack(head.w2.weight.detach())) if head and MarkovRows.fits(head) else None
+
+    def compile(self) -> str:
+        """Run one request's drafting pass as compiled graphs from now on (drafters/compiled.py),
+        building them at once; what happened, in one line."""
+        if self._compiled is not None and not self._compiled.disabled:
+            return "compiled already"
+        self._compiled = CompiledBlock(self)
+        if not self._compiled.disabled:
+            seconds = warm_up(self, self._compiled)
+            if not self._compiled.disabled:
+                self._compiled.warm = True
+                return f"compiled the {self.name} drafter's one-request pass in {seconds:.0f} s"
+        return f"eager {self.name} drafter ({self._compiled.disabled})"
 
     def prepare(self, max_requests: int, max_len: int) -> None:
         c = self.cache
@@ -221,14 +238,16 @@ class DSparkDrafter(Drafter):
         dtype (same weights as training; only how the products are grouped changes)."""
         bb = self.model.backbone
         self._dtype = dt = bb.fc.weight.dtype
-        self._fc = pack((bb.fc.weight.float() * bb.feature_scale.float()[None]).to(dt))
-        self._layers = [LayerWeights(input_norm=l.input_norm.weight, qkv_bias=None, o_bias=None,
-                                     qkv=torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
-                                     o=l.o_proj.weight, post_attn_norm=l.post_norm.weight,
-                                     gate_up=torch.cat([l.gate_proj.weight, l.up_proj.weight]), down=l.down_proj.weight,
-                                     q_norm=None if l.q_norm is None else l.q_norm.weight,
-                                     k_norm=None if l.k_norm is None else l.k_norm.weight)
-                        for l in cast(Iterable[DrafterLayer], bb.layers)]
+        self._fc = pack((bb.fc.weight.detach().float() * bb.feature_scale.float()[None]).to(dt))
+        with torch.no_grad():       # weights for inference: no autograd history, detached views
+            self._layers = [LayerWeights(input_norm=l.input_norm.weight.detach(), qkv_bias=None, o_bias=None,
+                                         qkv=torch.cat([l.q_proj.weight, l.k_proj.weight, l.v_proj.weight]),
+                                         o=l.o_proj.weight.detach(), post_attn_norm=l.post_norm.weight.detach(),
+                                         gate_up=torch.cat([l.gate_proj.weight, l.up_proj.weight]),
+                                         down=l.down_proj.weight.detach(),
+                                         q_norm=None if l.q_norm is None else l.q_norm.weight.detach(),
+                                         k_norm=None if l.k_norm is None else l.k_norm.weight.detach())
+                            for l in cast(Iterable[DrafterLayer], bb.layers)]
         self._layers = [lw.packed() for lw in self._layers]
         self._rope = RopeTable(bb.rope.inv_freq, 1.0, dt, self.device)
 
@@ -273,16 +292,23 @@ class DSparkDrafter(Drafter):
         slot_idx = torch.tensor(rows_slot, device=dev)
         pos = torch.tensor(rows_pos, device=dev)
         rope = self._rope.tables(pos, int(pos.max()))
-        ctx_rows = None
-        if nc:
-            f = feats[0] if len(feats) == 1 else torch.cat(feats)
-            ctx_rows = rms_norm(linear(f.to(self._dtype), self._fc), bb.fc_norm.weight, c.rms_norm_eps)
+        f = None if not nc else feats[0] if len(feats) == 1 else torch.cat(feats)
         x = None
         if R:
             m = self.model
             x = m.mask_embedding.expand(R, g, -1).clone()
             x[:, 0] = m.embed_tokens(torch.tensor([ctx.tokens[-1] for ctx in active], device=dev)).to(x.dtype)
             x = x.reshape(R * g, -1)
+        if (self._compiled is not None and f is not None and x is not None and len(contexts) == 1 and R == 1
+                and self._compiled.takes(nc, g, starts[0])):
+            cos, sin = rope
+            h = self._compiled(f.to(self._dtype), x, cos, sin, cache, pos, slots[0], len(active[0].tokens) - 1 + g)
+            if h is not None:
+                cache.lengths[slots[0]] += nc
+                return h.view(1, g, -1)
+        ctx_rows = None
+        if f is not None:
+            ctx_rows = rms_norm(linear(f.to(self._dtype), self._fc), bb.fc_norm.weight, c.rms_norm_eps)
         shape = LayerShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
                            c.head_dim ** -0.5)
         attend_fn = self._block_attention(active, g)
@@ -354,7 +380,9 @@ class DSparkDrafter(Drafter):
         allowed = {}        # the full-vocabulary mask each grammar request sampled position k from
         for k in range(steps):
             logits = U[:, k]
-            if m.head is not None:
+            if self._markov is not None:
+                logits = logits + self._markov(toks[:, k]).float()
+            elif m.head is not None:
                 bias, _, state = m.head.step(h[:, k], toks[:, k], state)
                 logits = logits + bias.float()
             if grammars:
@@ -370,7 +398,7 @@ class DSparkDrafter(Drafter):
                         ends[i] = k
             for params, rows in groups:
                 p = probs_from_logits(logits[rows], params)
-                toks[rows, k + 1] = p.argmax(-1) if params.greedy else sample_rows(p, u=u[rows, k])
+                toks[rows, k + 1] = argmax(p) if params.greedy else sample_rows(p, u=u[rows, k])
                 pd[rows, k] = p
             for i, g in grammars:
                 if i not in ends:

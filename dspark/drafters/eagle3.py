@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sampling import probs_from_logits, sample
+from ..sampling import argmax, probs_from_logits, sample
 from .backbone import DrafterLayer
 from .base import DraftContext, Proposal
 from .config import DrafterConfig
@@ -103,6 +103,9 @@ class Eagle3Drafter(DSparkDrafter):
     def _serving_weights(self) -> None:
         pass   # one causal layer run by ``_run``; the parallel backbone's fused layout is not used
 
+    def compile(self) -> str:
+        return f"eager {self.name} drafter (its draft chain is not compiled)"
+
     def _ingest_and_first(self, contexts: list[DraftContext]) -> torch.Tensor:
         m = self.model
         outs = []
@@ -160,7 +163,7 @@ class Eagle3Drafter(DSparkDrafter):
             for s in range(steps):
                 logits = m.base_logits(m.backbone.norm(h)[None]).float()[0]
                 p = probs_from_logits(logits, c.params)
-                t = int(p.argmax()) if c.params.greedy else int(sample(p, c.generator))
+                t = int(argmax(p)) if c.params.greedy else int(sample(p, c.generator))
                 probs[s, vocab] = p
                 toks.append(int(vocab[t]))
                 if s + 1 < steps:

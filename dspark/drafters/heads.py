@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..runtime.linear import linear
 from .config import DrafterConfig
 
 
@@ -82,3 +83,36 @@ class ConfidenceHead(nn.Module):
         """Confidence logit (before sigmoid and before any STS temperature)."""
         x = h if e is None else torch.cat([h, e], -1)
         return self.linear(x).squeeze(-1)
+
+
+class MarkovRows:
+    """The vanilla head's bias B(x) = W2 W1[x] read from a table instead of computed each time
+    (serving): the row of a previous token x is computed once, alone (so that its bits never
+    depend on the rows beside it), when x first comes up, and kept. A drafted token then costs a
+    16 KB row instead of a product over all of W2, most of the head's time at a few requests.
+    The table spans every row of W1 but only the rows filled take memory (pages never written
+    are never mapped), so it stays as large as the tokens actually met."""
+
+    # the table's span at most (bytes): larger ones (an imported full-vocabulary W1) compute B
+    MAX_BYTES = 512 * 2 ** 20
+
+    def __init__(self, head: SequentialHead, w2):
+        self.w1 = head.w1.weight.detach()
+        self.w2 = w2                # W2's weight as runtime.linear's ``linear`` takes it
+        rows, cols = self.w1.shape[0], head.w2.weight.shape[0]
+        self.table = torch.empty(rows, cols, dtype=self.w1.dtype, device=self.w1.device)
+        self.known = torch.zeros(rows, dtype=torch.bool, device=self.w1.device)
+
+    @staticmethod
+    def fits(head: SequentialHead) -> bool:
+        rows, cols = head.w1.weight.shape[0], head.w2.weight.shape[0]
+        return head.type == "vanilla" and rows * cols * head.w1.weight.element_size() <= MarkovRows.MAX_BYTES
+
+    def __call__(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [n] rows of W1 -> B [n, V_draft]."""
+        new = prev[~self.known[prev]]
+        if new.numel():
+            for r in new.unique().tolist():
+                self.table[r] = linear(self.w1[r:r + 1], self.w2)[0]
+            self.known[new] = True
+        return self.table[prev]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch._inductor.config
@@ -114,19 +114,42 @@ class LayerStack(torch.nn.Module):
         return (rms_norm(x, self.final_norm, self.shape.eps), *outs)
 
 
-class CompiledForward:
+class Graphs:
+    """A module run as inductor graphs built with the settings above, or the reason it runs
+    eagerly. A call returns None when compiling or running failed (logged once; the caller runs
+    eagerly then, and for good: ``disabled`` says why)."""
+
+    def __init__(self, module: torch.nn.Module | None, disabled: str | None, what: str):
+        self.disabled = disabled
+        self.what = what
+        self._module = None if disabled else torch.compile(module, dynamic=True)
+        # set once warm_up has built every graph: from then on a call checks a reduced set of
+        # guards (dynamo's ``skip_guard_eval_unsafe``: the input tensors' checks that tell the
+        # graphs apart, not the identity and global-state checks over every frozen weight and
+        # setting), a few percent of a decoding step. Safe because the caller's ``takes`` admits
+        # only what the graphs were built for (one request's segment in the model's dtype, the same
+        # weights, inference mode), and the sizes that vary are symbolic in every graph
+        self.warm = False
+
+    def run(self, *args) -> tuple[torch.Tensor, ...] | torch.Tensor | None:
+        assert self._module is not None
+        try:
+            with torch._inductor.config.patch(CONFIG), \
+                    torch.compiler.set_stance(skip_guard_eval_unsafe=self.warm):
+                return cast("tuple[torch.Tensor, ...] | torch.Tensor", self._module(*args))
+        except Exception as e:   # a compiler missing or failing on this machine: run eagerly
+            self.disabled = f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            self._module = None
+            log.warning("dspark: the compiled %s is off: %s", self.what, self.disabled)
+            return None
+
+
+class CompiledForward(Graphs):
     """The compiled ``LayerStack`` of a decoder, or the reason it runs eagerly."""
 
     def __init__(self, decoder: Decoder):
-        self.disabled = eligible(decoder)
-        self._stack = None if self.disabled else torch.compile(LayerStack(decoder), dynamic=True)
-        # set by Decoder.compile once both graphs exist: from then on a call checks a reduced set
-        # of guards (dynamo's ``skip_guard_eval_unsafe``: the input tensors' checks that tell the
-        # graphs apart, not the identity and global-state checks over every frozen weight and
-        # setting), a few percent of a decoding step. Safe because ``takes`` admits only what the
-        # graphs were built for (one bf16 request's segment, the same weights, inference mode:
-        # Decoder.forward runs in it), and the sizes that vary are symbolic in both graphs
-        self.warm = False
+        why = eligible(decoder)
+        super().__init__(None if why else LayerStack(decoder), why, "one-request forward")
         # what a one-row call passes as its mask (the graph reads none): one tensor, not one a step
         self._no_mask = torch.zeros((1, 1), dtype=decoder.kv_dtype)
 
@@ -139,26 +162,18 @@ class CompiledForward:
 
     def __call__(self, input_ids, cos, sin, cache: KVCache, positions, slot: int, end: int,
                  mask: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
-        """The stack's outputs, or None when compiling or running failed (logged once; the caller
-        runs the forward eagerly, and every later one too). ``mask``: the block's causal triangle,
-        None for one row. A failed call wrote at most keys and values past the slot's length, which
-        the eager forward overwrites."""
-        assert self._stack is not None
-        try:
-            # a fresh tensor made here, whatever the caller's was (a view, made outside inference
-            # mode): a graph is guarded on such properties of its inputs and rebuilt when they change
-            input_ids = input_ids.clone()
-            k = [t[slot:slot + 1] for t in cache.k]
-            v = [t[slot:slot + 1] for t in cache.v]
-            with torch._inductor.config.patch(CONFIG), \
-                    torch.compiler.set_stance(skip_guard_eval_unsafe=self.warm):
-                return self._stack(input_ids, cos, sin, k, v, positions, end,
-                                   self._no_mask if mask is None else mask)
-        except Exception as e:   # a compiler missing or failing on this machine: decode eagerly
-            self.disabled = f"compiling failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-            self._stack = None
-            log.warning("dspark: the compiled one-request forward is off: %s", self.disabled)
-            return None
+        """The stack's outputs, or None when compiling or running failed (the caller runs the
+        forward eagerly, and every later one too). ``mask``: the block's causal triangle, None for
+        one row. A failed call wrote at most keys and values past the slot's length, which the
+        eager forward overwrites."""
+        # a fresh tensor made here, whatever the caller's was (a view, made outside inference
+        # mode): a graph is guarded on such properties of its inputs and rebuilt when they change
+        input_ids = input_ids.clone()
+        k = [t[slot:slot + 1] for t in cache.k]
+        v = [t[slot:slot + 1] for t in cache.v]
+        out = self.run(input_ids, cos, sin, k, v, positions, end, self._no_mask if mask is None else mask)
+        assert out is None or isinstance(out, tuple)
+        return out
 
 
 def warm_up(decoder: Decoder) -> float:

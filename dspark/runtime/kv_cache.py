@@ -25,8 +25,11 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_slots: int,
                  max_len: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
         shape = (num_slots, num_kv_heads, -(-max_len // KEY_BUCKET) * KEY_BUCKET, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # plain tensors even when made in inference mode (a drafter's cache made at its first
+        # round): the compiled forwards' graphs are guarded on which kind their inputs are
+        with torch.inference_mode(False):
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))   # descending: pop() is the lowest

@@ -174,6 +174,11 @@ class Decoder:
         return f"compiled the one-request forward in {seconds:.0f} s"
 
     @property
+    def compiled(self) -> bool:
+        """Whether one request's forwards run as compiled graphs (``compile`` built them)."""
+        return self._compiled is not None and self._compiled.disabled is None and self._compiled.warm
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The cache (and attention arithmetic) dtype. On CPUs a bf16 model keeps its keys and
         values in fp32: small bf16 matrix products are ~3x slower there than fp32 ones, and the
