@@ -4,8 +4,9 @@ At one request a round's drafter call is a few dozen rows through three layers: 
 features handed over since the last round (fused, their keys / values into the request's cache
 slot) and the block [anchor, MASK, ...] attending to the slot non-causally. Eagerly that is some
 200 small operators, most of the call's time at one request; compiled the way the target's
-one-request forward is (runtime/compiled.py: inductor, packed weights frozen as constants, a C++
-wrapper, guards reduced once warm), the pointwise work fuses and the Python between kernels goes.
+one-request forward is (runtime/compiled.py: inductor, weights frozen as constants and each
+product's kernel chosen by measurement, a C++ wrapper, guards reduced once warm), the pointwise
+work fuses and the Python between kernels goes.
 
 Both the number of new context rows and the block's length vary from round to round (the rows
 accepted last round; the policy's depth), so both are symbolic. A size of one is a graph of its
@@ -24,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..runtime.compiled import Graphs
+from ..runtime.compiled import Graphs, plain_weights
 from ..runtime.kv_cache import KVCache
 from ..runtime.layer import LayerShape, decoder_layer, rms_norm
-from ..runtime.linear import PackedWeight, linear
+from ..runtime.linear import PackedWeight, dense, linear
 
 if TYPE_CHECKING:
     from .dspark import DSparkDrafter
@@ -51,22 +52,20 @@ def eligible(drafter: DSparkDrafter) -> str | None:
 
 class BlockStack(torch.nn.Module):
     """Fusion of the new context rows -> the layers over context and block -> the final norm. A
-    module so that the packed weights, registered below, are frozen into the graph."""
+    module so that the weights, registered below, are frozen into the graph."""
 
+    fc: torch.Tensor
     fc_norm: torch.Tensor
     norm: torch.Tensor
 
     def __init__(self, drafter: DSparkDrafter):
         super().__init__()
         c = drafter.config
-        self.layers = list(drafter._layers)
-        self.fc = drafter._fc
+        self.layers = plain_weights(self, drafter._layers)
+        self.register_buffer("fc", dense(drafter._fc), persistent=False)
         bb = drafter.model.backbone
         self.register_buffer("fc_norm", bb.fc_norm.weight.detach(), persistent=False)
         self.register_buffer("norm", bb.norm.weight.detach(), persistent=False)
-        self.weights = torch.nn.ModuleList(
-            w for w in (self.fc, *(w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)))
-            if isinstance(w, PackedWeight))
         self.shape = LayerShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
                                 c.head_dim ** -0.5)
 

@@ -5,14 +5,18 @@ in some 2,000 small operators (norms, RoPE, the fp32 cache's conversions, cache 
 views), each a few microseconds of dispatch for a few hundred bytes of work. A segment of one
 request has the simplest attention of all (causal, against its own cache slot, no padding), so its
 whole layer stack compiles into one graph: ``torch.compile`` (inductor) fuses the pointwise work of
-a layer into a few C++ loops, takes the packed weights as frozen constants (they are buffers of the
-``PackedWeight`` modules, runtime/linear.py) so the products run as they do eagerly, and a C++
-wrapper calls the kernels without Python between them (gpt-fast's compiled decoding step, on a CPU).
+a layer into a few C++ loops, takes the weights as frozen constants, and a C++ wrapper calls the
+kernels without Python between them (gpt-fast's compiled decoding step, on a CPU). For the products
+it measures, per weight shape, its own generated kernel (a micro-kernel on AMX tiles where the CPU
+has them, else AVX-512) against oneDNN's packed one (what the eager path runs, runtime/linear.py)
+and keeps the faster (max-autotune): a one-row product streams its weight once, and inductor's
+kernel streams it faster on the CPUs met (measured in the commit that turned it on).
 
 Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
 and a block (a verification; the row count stays symbolic, as do the context length and the cache's
-length). Each takes about a minute to build on two cores, in every process (frozen graphs are not
-reused from inductor's on-disk cache), so ``Decoder.compile`` builds both at once, before serving.
+length). Building both, with the kernels' measurements, takes about two minutes on two cores, in
+every process (frozen graphs are not reused from inductor's on-disk cache), so ``Decoder.compile``
+builds them at once, before serving.
 
 What a compiled forward computes is the eager forward's arithmetic, but inductor keeps a layer's
 pointwise chain in fp32 registers where eager rounds each step to bf16, and attention runs as
@@ -26,14 +30,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
-from .layer import decoder_layer, rms_norm
-from .linear import PackedWeight
+from .layer import LayerWeights, decoder_layer, rms_norm
+from .linear import PackedWeight, dense
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -46,8 +51,9 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 16
 # the context the graphs are built after (warm_up): longer than any compiled segment
 CONTEXT = MAX_ROWS + 1
-# inductor: weights as constants (the packed products stay oneDNN's), no Python between kernels
-CONFIG = {"freezing": True, "cpp_wrapper": True}
+# inductor: weights as constants, each product's kernel chosen by measurement (inductor's own C++
+# template or oneDNN's), no Python between kernels
+CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def eligible(decoder: Decoder) -> str | None:
@@ -63,9 +69,22 @@ def eligible(decoder: Decoder) -> str | None:
     return None
 
 
+def plain_weights(module: torch.nn.Module, layers: list[LayerWeights]) -> list[LayerWeights]:
+    """``layers`` with their four products' weights as plain tensors, each registered as a buffer
+    of ``module`` so that a graph takes it as a frozen constant (not a guarded input): inductor
+    then lays each weight out for the kernel it measures fastest."""
+    out = []
+    for i, lw in enumerate(layers):
+        lw = replace(lw, qkv=dense(lw.qkv), o=dense(lw.o), gate_up=dense(lw.gate_up), down=dense(lw.down))
+        for name in ("qkv", "o", "gate_up", "down"):
+            module.register_buffer(f"{name}_{i}", getattr(lw, name), persistent=False)
+        out.append(lw)
+    return out
+
+
 class LayerStack(torch.nn.Module):
     """The layers of one request's segment: embedding -> layers -> final norm. A module so that the
-    packed weights, registered below, are frozen into the graph instead of guarded inputs."""
+    weights, registered below, are frozen into the graph instead of guarded inputs."""
 
     embed: torch.Tensor
     final_norm: torch.Tensor
@@ -75,12 +94,10 @@ class LayerStack(torch.nn.Module):
         super().__init__()
         # the decoder's tensors held here, not reached through it: a graph is guarded on the
         # objects it reads, and the decoder's attributes change (its compiled path, its mode)
-        self.layers = list(decoder.layers)
+        self.layers = plain_weights(self, decoder.layers)
         self.register_buffer("embed", decoder.embed, persistent=False)
         self.register_buffer("final_norm", decoder.final_norm, persistent=False)
         self.register_buffer("embed_scale", decoder._embed_scale, persistent=False)
-        self.weights = torch.nn.ModuleList(
-            w for lw in decoder.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if isinstance(w, PackedWeight))
         self.shape = decoder.layer_shape
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
