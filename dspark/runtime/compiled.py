@@ -4,7 +4,7 @@ At one request a bf16 forward on a CPU spends about a third of its time outside 
 in some 2,000 small operators (norms, RoPE, the fp32 cache's conversions, cache writes, attention's
 views), each a few microseconds of dispatch for a few hundred bytes of work. A segment of one
 request has the simplest attention of all (causal, against its own cache slot, no padding), so its
-whole layer stack compiles into one graph: ``torch.compile`` (inductor) fuses the pointwise work of
+whole layer stack and the LM head compile into one graph: ``torch.compile`` (inductor) fuses the pointwise work of
 a layer into a few C++ loops, takes the weights as frozen constants, and a C++ wrapper calls the
 kernels without Python between them (gpt-fast's compiled decoding step, on a CPU). For the products
 it measures, per weight shape, its own generated kernel (a micro-kernel on AMX tiles where the CPU
@@ -89,6 +89,7 @@ class LayerStack(torch.nn.Module):
     embed: torch.Tensor
     final_norm: torch.Tensor
     embed_scale: torch.Tensor | None
+    lm_head: torch.Tensor
 
     def __init__(self, decoder: Decoder):
         super().__init__()
@@ -98,6 +99,8 @@ class LayerStack(torch.nn.Module):
         self.register_buffer("embed", decoder.embed, persistent=False)
         self.register_buffer("final_norm", decoder.final_norm, persistent=False)
         self.register_buffer("embed_scale", decoder._embed_scale, persistent=False)
+        self.register_buffer("lm_head", decoder.lm_head, persistent=False)
+        self.softcap = decoder.config.final_logit_softcap
         self.shape = decoder.layer_shape
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
@@ -106,8 +109,8 @@ class LayerStack(torch.nn.Module):
         """input_ids [n] of one segment ending at key ``end``; cos, sin [n, 1, hd]; k, v per layer the
         request's own slot of the cache, [1, Hkv, max_len, hd] views (so that the graph does not
         depend on the cache's number of slots); positions [n] where each row's key / value goes;
-        mask the [n, n] causal triangle (zeros for one row). -> (last hidden [n, d], every layer's
-        output [n, d] ...)."""
+        mask the [n, n] causal triangle (zeros for one row). -> (logits [n, V], last hidden [n, d],
+        every layer's output [n, d] ...)."""
         slots = torch.zeros_like(positions)     # every row into the one slot of the views
         # the segment's rows see every key before them and the causal triangle of their own; one
         # fused attention call (torch's CPU flash kernel) per layer instead of the eager path's two
@@ -128,7 +131,11 @@ class LayerStack(torch.nn.Module):
         for li, lw in enumerate(self.layers):
             x = decoder_layer(lw, x, self.shape, (cos, sin), (k[li], v[li], slots, positions), attend_slot)
             outs.append(x)
-        return (rms_norm(x, self.final_norm, self.shape.eps), *outs)
+        h = rms_norm(x, self.final_norm, self.shape.eps)
+        logits = F.linear(h, self.lm_head)    # every row's: a one-request segment wants them all
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return (logits, h, *outs)
 
 
 class Graphs:

@@ -228,8 +228,13 @@ class Decoder:
             outs = self._compiled(input_ids, cos, sin, cache, positions, slot, max_pos, mask)
             if outs is not None:
                 cache.lengths[slot] = max_pos
-                return ForwardOutput(self._logits(outs[0], segments, logits_rows), outs[0],
-                                     tuple(outs[1 + i] for i in feature_layers))
+                logits = outs[0]        # every row's; the rows asked for:
+                rows: torch.Tensor | None
+                if isinstance(logits_rows, str):
+                    rows = logits[-1:] if logits_rows == "last" else logits
+                else:
+                    rows = None if logits_rows is None else logits[logits_rows]
+                return ForwardOutput(rows, outs[1], tuple(outs[2 + i] for i in feature_layers))
         # where each new row's key / value goes: (slot, position)
         wslot = torch.tensor([slot for slot, n in segments for _ in range(n)], device=self.device)
         attend_fn = self._attention(segments, starts)
