@@ -73,8 +73,9 @@ def _add_model_flags(p: argparse.ArgumentParser, compile_default: bool = False) 
                         "so bf16 greedy speculative output equals bf16 plain decoding (fp32 does without "
                         "it); costs about 17 %% of a forward at one request, 3 %% for blocks of 8, on the README's CPU")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile_default,
-                   help="run one request's decoding and verification forwards as compiled graphs (bf16 on a "
-                        "CPU; builds them at start, 1 - 2 minutes on 2 cores; default: "
+                   help="run one request's decoding and verification forwards, and a trained drafter's "
+                        "pass, as compiled graphs (bf16 on a CPU; builds them at start, about 2 minutes on 2 "
+                        "cores and 40 s more for a trained drafter; default: "
                         + ("on" if compile_default else "off") + ")")
 
 
