@@ -98,7 +98,7 @@ def main() -> None:
     for name in ("compiled", "eager"):
         d, a = counts[name]
         t = times[name]
-        tokens = sum(1 for _ in t["round"]) + a
+        tokens = len(t["round"]) + a
         print(f"  {name}: drafted {d}, accepted {a}; {tokens / sum(t['round']):.1f} tokens/s over the rounds")
 
 

@@ -194,7 +194,7 @@ class DSparkDrafter(Drafter):
         self._serving_weights()
         self._compiled: CompiledBlock | None = None
         head = self.model.head
-        self._markov = MarkovRows(head, pack(head.w2.weight.detach())) if head and MarkovRows.fits(head) else None
+        self._markov = MarkovRows(head, pack(head.w2.weight.detach())) if head is not None and MarkovRows.fits(head) else None
 
     def compile(self) -> str:
         """Run one request's drafting pass as compiled graphs from now on (drafters/compiled.py),

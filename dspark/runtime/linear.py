@@ -141,10 +141,6 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
     both paths."""
     if rows_alike:
         x = x.contiguous()
-    if torch.compiler.is_compiling() and not isinstance(w, PackedWeight):
-        # inside a compiled graph (runtime/compiled.py): the plain product, whose kernel and weight
-        # layout inductor chooses itself
-        return F.linear(x, w, b)
     if isinstance(w, PackedWeight):     # x in the weight's dtype, as for F.linear
         if not rows_alike:
             return _packed_product(x, w, b)
@@ -153,6 +149,10 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
         if x.shape[0] == 1:
             return _packed_product(x.expand(2, -1), w, b)[:1]
         return _packed_product(x, w, b)
+    if torch.compiler.is_compiling():
+        # a plain weight inside a compiled graph (runtime/compiled.py): the plain product, whose
+        # kernel and weight layout inductor chooses itself
+        return F.linear(x, w, b)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         if x.shape[0] == 1:
             y = torch.mv(w, x[0]).unsqueeze(0)
