@@ -95,6 +95,7 @@ class Request:
     ctx: DraftContext | None = None
     t_start: float = 0.0
     prompt_features: list = field(default_factory=list)   # target features of prefilled chunks
+    round_rows: int = 0                   # feature rows its last verified round added to its draft context
     # with ``logprobs``: per output token (its log probability, [(token, log probability)] of the
     # ``logprobs`` most likely), from the target's logits (sampling.token_logprobs)
     output_logprobs: list = field(default_factory=list)
@@ -186,7 +187,8 @@ class Engine:
         self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
         self._decode_only = False   # the step running decodes without prefilling (its time prices a decoding step)
         self._outcomes: list[RequestOutcome] = []   # the step's verified blocks, for the policy
-        self._timed: list = [0, 0.0, 0.0]           # the step's forward rows and seconds, drafter seconds
+        # the step's forward rows and seconds, the drafter's seconds and catch-up rows (StepOutcome)
+        self._timed: list = [0, 0.0, 0.0, 0]
         self._left: list[int] = []  # ids of requests released since the policy was last told
         self.isolate_failures = isolate_failures   # a failure serving one request ends it alone (see above)
 
@@ -315,7 +317,7 @@ class Engine:
         t0 = time.perf_counter()
         self._decode_only = False
         self._outcomes = []
-        self._timed = [0, 0.0, 0.0]
+        self._timed = [0, 0.0, 0.0, 0]
         try:
             return self._step()
         finally:
@@ -326,9 +328,10 @@ class Engine:
     def _observe(self, seconds: float) -> None:
         """Hand the policy the step's outcome: per request its block as verified, the step's time,
         and the requests released since the last step (ended, cancelled or failed)."""
-        rows, forward, draft = self._timed
+        rows, forward, draft, draft_rows = self._timed
         outcome = StepOutcome(tuple(self._outcomes), seconds, self._decode_only, tuple(self._left),
-                              forward_rows=rows, forward_seconds=forward, draft_seconds=draft)
+                              forward_rows=rows, forward_seconds=forward, draft_seconds=draft,
+                              draft_rows=draft_rows)
         self._outcomes, self._left = [], []
         self.policy.observe(outcome)
 
@@ -476,6 +479,7 @@ class Engine:
         self.cache.truncate(r.slot, self.cache.lengths[r.slot] - sent + 1 + n)
         if feats is not None:
             r.ctx.features.append(feats[start:start + n + 1])
+            r.round_rows = n + 1
             if self.prefix is not None:
                 self.prefix.store_features(r.slot, self.cache.lengths[r.slot] - n - 1, feats[start:start + n + 1])
         s = r.stats
@@ -565,9 +569,13 @@ class Engine:
             if ctxs[i].num_draft > 0:
                 active.append(i)
         if active:
+            # the context rows each drafting request hands the drafter beyond its last round's (it empties
+            # them when it drafts): its prompt at its first call, else the rounds since it last drafted
+            rows = [max(0, sum(f.shape[0] for f in ctxs[i].features) - decode[i].round_rows) for i in active]
             t0 = time.perf_counter()
             got = self._propose([decode[i] for i in active])
             self._timed[2] = time.perf_counter() - t0
+            self._timed[3] = sum(n for n, p in zip(rows, got) if not p.free)
             for i, p in zip(active, got):
                 proposals[i] = p.truncate(ctxs[i].num_draft)
         t0 = time.perf_counter()

@@ -337,3 +337,57 @@ def test_a_measuring_step_drafts_the_whole_block_and_verifies_what_pays(tmp_path
     assert drafted[:3] == [[0] * 4, [BLOCK] + [0] * 3, [BLOCK] + [0] * 3] and policy.measuring_steps == 3
     assert 0 < sum(plans[1]) + sum(plans[2]) < 2 * BLOCK
     assert costs.missing(4) is None
+
+
+def test_the_drafters_call_is_one_fit_over_requests_and_depth():
+    # a call timed at a few shapes prices every other one from c0 + c1 n + c2 n d; one timed at a
+    # single shape prices every shape alike (nothing says how it grows)
+    from dspark.scheduling.learned import CallCost
+    call = CallCost()
+    call.add(4, 2, 0.010)
+    assert call(32, 7) == pytest.approx(0.010)
+    for n, d in ((1, 1), (2, 7), (8, 3), (8, 7), (16, 1)):
+        for _ in range(3):
+            call.add(n, d, 0.002 + 0.0001 * n + 0.0003 * n * d)
+    assert call(32, 5) == pytest.approx(0.002 + 0.0032 + 0.048, rel=0.02)
+    assert call(6, 6) == pytest.approx(0.002 + 0.0006 + 0.0108, rel=0.02)
+    assert all(c >= 0 for c in call.coef())
+
+
+def test_a_call_that_takes_in_a_prompt_is_priced_apart_from_the_drafters_call(tmp_path):
+    # a new request's first call takes in its prompt's features: many times a steady call; priced
+    # as one, every call at that shape would look as dear. Its rows are a part of their own
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for _ in range(4):
+        costs.observe(timed([BLOCK] * 4))
+    steady = costs.drafter_seconds(4, BLOCK)
+    assert steady == pytest.approx(draft_s(4, BLOCK), rel=0.01)
+    for _ in range(6):
+        o = timed([BLOCK] * 4)
+        costs.observe(StepOutcome(o.requests, o.seconds + 0.2, True, forward_rows=o.forward_rows,
+                                  forward_seconds=o.forward_seconds, draft_seconds=o.draft_seconds + 0.2,
+                                  draft_rows=300))
+    assert costs.drafter_seconds(4, BLOCK) == pytest.approx(steady)
+    assert costs.draft(4, BLOCK, 300) == pytest.approx(steady + 0.2, rel=0.01)
+
+
+def test_the_engine_reports_the_rows_a_drafters_call_took_in_beyond_its_rounds():
+    from dspark.drafters.dspark import DSparkDrafter
+    from dspark.engine import Engine
+    from dspark.sampling import SamplingParams
+    from _tiny import tiny_drafter_model, tiny_target
+    target = tiny_target(scale=3.0)
+    seen = []
+
+    class Every(make_policy("fixed", BLOCK).__class__):
+        def observe(self, o):
+            seen.append(o)
+    engine = Engine(target, DSparkDrafter(tiny_drafter_model(target, scale=2.0), target), Every(BLOCK),
+                    max_requests=2, block_size=BLOCK, max_len=48)
+    prompt = [1, 3, 2, 4, 1, 3, 2, 4, 1, 3]
+    engine.add_request(prompt, SamplingParams(temperature=0), 8)
+    engine.run()
+    drafting = [o for o in seen if o.draft_seconds > 0]
+    # the first call takes in the prompt; the next ones the positions their last round verified only
+    assert drafting[0].draft_rows == len(prompt)
+    assert len(drafting) > 1 and all(o.draft_rows == 0 for o in drafting[1:])

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.sampling import SamplingParams
-from dspark.scheduling.algorithm1 import prefix_schedule
+from dspark.scheduling.algorithm1 import expected_commit, prefix_schedule
 from dspark.scheduling.base import StepOutcome
 from dspark.scheduling.policies import make_policy
 from dspark.scheduling.costs import CostTable
@@ -29,8 +29,9 @@ P_T = torch.tensor([0.7, 0.3])
 P_D = torch.tensor([0.5, 0.5])
 
 
-def _appendix_a(sps_values, early_stop, draws=20000, seed=0):
-    """First emitted token counts and the set of verification lengths chosen."""
+def _appendix_a(sps_values, early_stop, draws=20000, seed=0, commit=lambda surv: 0):
+    """First emitted token counts and the set of verification lengths chosen (``commit``: the
+    candidates taken whatever they return, from the step's survivals)."""
     g = torch.Generator().manual_seed(seed)
     logits = P_T.log().expand(3, 2)              # the target: (0.7, 0.3) at every position
     params = SamplingParams(temperature=1.0)
@@ -39,7 +40,7 @@ def _appendix_a(sps_values, early_stop, draws=20000, seed=0):
         x = torch.multinomial(P_D.expand(2, 2), 1, generator=g).squeeze(-1)
         c = [0.8, 0.9 if x[0] == 0 else 0.0]
         surv = [[c[0], c[0] * c[1]]]
-        n = prefix_schedule(surv, lambda B: sps_values[B - 1], early_stop=early_stop)[0]
+        n = prefix_schedule(surv, lambda B: sps_values[B - 1], early_stop=early_stop, commit=commit(surv))[0]
         lengths.add(n)
         acc, nxt = verify(x[:n], P_D.expand(n, 2), logits[:n + 1], params, g)
         first = int(x[0]) if acc > 0 else int(nxt)
@@ -60,6 +61,57 @@ def test_algorithm1_never_drafts_in_appendix_a_and_is_lossless_where_it_does():
     counts, lengths = _appendix_a((1.0, 0.9, 0.85), early_stop=True)
     assert lengths == {1, 2}                 # several lengths, chosen after seeing x_1
     assert chisquare(counts, [0.7 * sum(counts), 0.3 * sum(counts)]).pvalue > 1e-3
+
+
+def test_committing_to_candidates_fixed_before_the_draws_is_lossless_and_one_read_from_them_is_not():
+    # a price that falls per token (the second verified token nearly free, as on a CPU, where the
+    # first makes the step ragged): the early stop alone verifies nothing here
+    sps = (1.0, 0.5, 0.49)
+    assert _appendix_a(sps, early_stop=True, draws=200)[1] == {0}
+    # committing to the first candidate (a_1 is known before x_1 is drawn) or to two: the law holds
+    for k in (1, 2):
+        counts, lengths = _appendix_a(sps, early_stop=True, commit=lambda surv, k=k: k)
+        assert max(lengths) >= 1
+        assert chisquare(counts, [0.7 * sum(counts), 0.3 * sum(counts)]).pvalue > 1e-3
+    # committing to two where a_2 (which depends on x_1) says the second pays: the same test rejects it
+    counts, _ = _appendix_a(sps, early_stop=True, commit=lambda surv: 2 if surv[0][1] > 0 else 0)
+    assert chisquare(counts, [0.7 * sum(counts), 0.3 * sum(counts)]).pvalue < 1e-6
+
+
+def test_expected_commit_sees_past_a_ragged_steps_first_token():
+    # 8 requests' lookup blocks (survivals known before the step) where the first verified token costs
+    # as much as 40 more: the early stop verifies nothing, the commit the count that pays best
+    R = 8
+    rows = [[0.9, 0.8, 0.7, 0.6] for _ in range(R)]
+
+    def sps(B):
+        extra = np.asarray(B, float) - R
+        return 1.0 / (1.0 + np.where(extra > 0, 0.25, 0.0) + 0.005 * extra)
+    assert prefix_schedule(rows, sps) == [0] * R
+    commit = expected_commit(rows, [4] * R, [1.0] * 4, sps)
+    assert commit == 4 * R
+    assert prefix_schedule(rows, sps, sps_many=sps, commit=commit) == [4] * R
+    # a sampled block's survivals past its first are expected from the recent proposals' (falling
+    # fast past the first): a lower count
+    weak = expected_commit(rows, [1] * R, [0.9, 0.3, 0.05, 0.01], sps)
+    assert 0 < weak < commit
+    # nothing that pays: none
+    assert expected_commit([[0.05, 0.01]] * R, [2] * R, [1.0, 1.0], sps) == 0
+
+
+def test_free_profiles_learn_each_strength_apart():
+    from dspark.scheduling.profile import FreeProfiles
+    prof = FreeProfiles(4)
+    assert prof.conditional(3) == prof.conditional(1) == pytest.approx([0.5] * 4)
+    for _ in range(200):
+        prof.observe(1, 4, 0)            # one-token matches: rejected at once
+        prof.observe(4, 4, 4)            # long ones: accepted whole
+    assert prof.conditional(1)[0] < 0.1 and prof.conditional(4)[0] > 0.9
+    assert prof.conditional(9) == prof.conditional(8)          # past the strongest, alike
+    # a strength seen a few times leans on all strengths' pooled profile
+    prof.observe(2, 4, 4)
+    assert 0.3 < prof.conditional(2)[0] < 0.7
+    assert prof.tries[0] > 400
 
 
 class _Spy:
@@ -593,9 +645,10 @@ def test_free_proposals_explored_alone_one_request_at_a_time():
     from dspark.drafters.base import Proposal
     from dspark.scheduling.base import RequestOutcome
     R = 32
-    # verifying anything costs a step 25 % more: no lookup proposal pays at 1/2 acceptance
+    # verifying anything costs a step 25 % more: no lookup proposal pays at 1/2 acceptance, not even
+    # all of them (32 + 32 x (1/2 + 1/4 + 1/8) tokens in 2 s against 32 in 1 s)
     dear = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
-                     seconds=[[[1.0, 1.25, 1.6, 1.8], [1.0, 1.25, 1.6, 1.8]]])
+                     seconds=[[[1.0, 1.25, 1.6, 2.0], [1.0, 1.25, 1.6, 2.0]]])
     policy = make_policy("prefix", 3, cost_table=dear)
     reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
     verifying = []

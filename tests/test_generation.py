@@ -121,9 +121,10 @@ def test_ngram_lookup_prefers_longest_most_recent_match():
     from dspark.drafters import DraftContext
     prop = d.propose([DraftContext([1, 2, 3, 4, 1, 2], GREEDY, None, 4)])[0]
     assert prop.tokens.tolist() == [3, 4, 1, 2] and prop.probs is None
+    assert prop.evidence == 2 and prop.truncate(2).evidence == 2   # the matched suffix "1 2": its strength
     weak = NgramDrafter(block_size=9, weak_match_tokens=3).propose(
         [DraftContext([4, 5, 4, 9, 9, 9, 4], GREEDY, None, 9)])[0]
-    assert weak.tokens.tolist() == [9, 9, 9]   # a 1-token match proposes at most weak_match_tokens
+    assert weak.tokens.tolist() == [9, 9, 9] and weak.evidence == 1  # a 1-token match: at most weak_match_tokens
     # vote: "1" was followed by 2 twice and by 7 once; the most recent "1 -> 2" wins over "1 -> 7"
     assert lookup(np.array([1, 2, 5, 1, 2, 6, 1, 7, 3, 1]), 2)[0].tolist() == [2, 6]
 

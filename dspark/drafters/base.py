@@ -23,13 +23,17 @@ class Proposal:
     confidences: torch.Tensor | None = None   # [k]: P(token j survives | tokens < j survived)
     free: bool = False                        # made without a drafter forward (a lookup): costs nothing to draft
     forced: bool = False                      # the tokens a request's grammar forces next (structured outputs)
+    # how strong a free proposal's evidence is, for the policies to learn each strength's acceptance
+    # apart: a lookup's matched suffix length (0: no such measure)
+    evidence: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def truncate(self, n: int) -> Proposal:
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                        None if self.confidences is None else self.confidences[:n], self.free, self.forced)
+                        None if self.confidences is None else self.confidences[:n], self.free, self.forced,
+                        self.evidence)
 
     @staticmethod
     def empty() -> Proposal:

@@ -64,10 +64,16 @@ def _vote(tokens: np.ndarray, starts: np.ndarray, rule: str) -> int:
     occurrence whose next token is the most frequent next token."""
     if rule == "first" or starts.size == 1:
         return int(starts[0])
-    nxt = tokens[starts]
-    values, counts = np.unique(nxt, return_counts=True)
-    winners = values[counts == counts.max()]
-    return int(starts[np.flatnonzero(np.isin(nxt, winners))[-1]])
+    if starts.size > 64:
+        _, inverse, counts = np.unique(tokens[starts], return_inverse=True, return_counts=True)
+        return int(starts[np.flatnonzero(counts[inverse] == counts.max())[-1]])
+    # a few occurrences (most lookups): counted in Python, a fraction of numpy's sort and set tests
+    nxt = tokens[starts].tolist()
+    seen: dict[int, int] = {}
+    for t in nxt:
+        seen[t] = seen.get(t, 0) + 1
+    most = max(seen.values())
+    return int(starts[next(k for k in range(len(nxt) - 1, -1, -1) if seen[nxt[k]] == most)])
 
 
 def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 5, min_ngram: int = 1,
@@ -152,7 +158,7 @@ class NgramDrafter(Drafter):
                          self.history if len(self.history) else None, self.history_min_ngram)
         if n == 1:
             cont = cont[:self.weak_match_tokens]
-        p = Proposal(torch.from_numpy(cont.copy()), free=True)
+        p = Proposal(torch.from_numpy(cont.copy()), free=True, evidence=n)
         ctx.state["_lookup"] = (key, p, n)
         return p, n
 

@@ -34,25 +34,41 @@ def sorted_candidates(survivals: list[list[float]]):
     return cands
 
 
-def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, sps_many=None) -> list[int]:
+def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, sps_many=None,
+                    commit: int = 0) -> list[int]:
     """Algorithm 1. ``sps(B)``: steps/s at B verified tokens. Returns lengths l_r.
     ``early_stop=False`` is the biased full search of Appendix A (kept for the test that shows it).
     ``sps_many(Bs)``: the same for an array of B at once (one vectorised pricing of every candidate
-    prefix instead of one call per candidate, for many candidates; the same answer)."""
+    prefix instead of one call per candidate, for many candidates; the same answer).
+
+    ``commit``: the walk takes the first ``commit`` candidates whatever they return, then goes on
+    with the early stop. Lossless when ``commit`` is fixed before the step's tokens are drawn (from
+    what was known then, see ``expected_commit``): whether x_k ranks among the first ``commit``
+    depends only on the candidates ranked before it (other requests' and its own earlier
+    positions'), never on x_k, since a_{k+1} <= a_k ranks after it. It is for prices that fall per
+    token as more are verified, as on a CPU, where the first verified token makes a decoding step
+    ragged (as dear as several more tokens) and the early stop alone would never pay that to reach
+    the tokens behind it."""
     R = len(survivals)
     cands = sorted_candidates(survivals)
-    if sps_many is not None and early_stop and len(cands) > 24:    # below that the loop is cheaper
-        a = np.fromiter((c[0] for c in cands), float, len(cands))
-        theta = (R + np.cumsum(a)) * sps_many(R + np.arange(1, len(cands) + 1))
-        prev = np.concatenate([[R * sps(R)], theta[:-1]])
-        worse = np.flatnonzero(theta <= prev)     # the first candidate that does not improve stops it
-        lengths = [0] * R
-        for _, j, i in cands[:int(worse[0]) if worse.size else len(cands)]:
-            lengths[i] = j + 1   # survivals fall along a row: a request's candidates come in position order
-        return lengths
     lengths = [0] * R
     B, tau = R, float(R)
     best = tau * sps(B)
+    if early_stop and commit > 0:
+        head, cands = cands[:commit], cands[commit:]
+        for a, j, i in head:
+            lengths[i] = j + 1      # a sorted list's head holds each request's prefix
+            tau += a
+        B += len(head)
+        best = tau * sps(B)
+    if sps_many is not None and early_stop and len(cands) > 24:    # below that the loop is cheaper
+        a = np.fromiter((c[0] for c in cands), float, len(cands))
+        theta = (tau + np.cumsum(a)) * sps_many(B + np.arange(1, len(cands) + 1))
+        prev = np.concatenate([[best], theta[:-1]])
+        worse = np.flatnonzero(theta <= prev)     # the first candidate that does not improve stops it
+        for _, j, i in cands[:int(worse[0]) if worse.size else len(cands)]:
+            lengths[i] = j + 1   # survivals fall along a row: a request's candidates come in position order
+        return lengths
     best_lengths = list(lengths)
     for a, j, i in cands:
         if lengths[i] != j:          # cannot happen with monotone survivals; keeps prefixes whole
@@ -66,3 +82,27 @@ def prefix_schedule(survivals: list[list[float]], sps, early_stop: bool = True, 
         elif early_stop:
             break
     return best_lengths
+
+
+def expected_commit(survivals: list[list[float]], settled: list[int], ratios: list[float], sps_many) -> int:
+    """How many candidates to commit to (``prefix_schedule``'s ``commit``), from what is known before
+    the step draws: ``settled[r]`` leading survivals of request r that were (a lookup's or a
+    grammar's point masses, or a profile's survivals: all; a drafter's sampled block: a_1, which its
+    confidence head computes from the anchor), and for the rest their expectation, a_s x
+    ``ratios[k] / ratios[s - 1]`` (``ratios``: the recent proposals' mean survival per position,
+    from the past). The count that maximises the expected tokens per second over the expected
+    candidates sorted, 0 included (a full search: none of it depends on a token drawn this step)."""
+    R = len(survivals)
+    vals = []
+    for row, s in zip(survivals, settled):
+        for k, surv in enumerate(row):
+            if k < s:
+                vals.append(surv)
+            elif s and ratios[s - 1] > 0:
+                vals.append(row[s - 1] * ratios[min(k, len(ratios) - 1)] / ratios[s - 1])
+    expected = -np.sort(-np.asarray(vals, float))
+    expected = expected[expected > 0]
+    if not expected.size:
+        return 0
+    theta = (R + np.concatenate([[0.0], np.cumsum(expected)])) * sps_many(R + np.arange(0, expected.size + 1))
+    return int(np.argmax(theta))

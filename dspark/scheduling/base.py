@@ -51,6 +51,10 @@ class StepOutcome:
     forward_rows: int = 0
     forward_seconds: float = 0.0
     draft_seconds: float = 0.0
+    # context rows the drafter's call took in beyond its requests' steady rounds (the positions each
+    # verified at its last round): a request's first call takes in its prompt, one that has not
+    # drafted for a while the positions verified since
+    draft_rows: int = 0
 
 
 S = TypeVar("S")

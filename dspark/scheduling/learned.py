@@ -6,7 +6,9 @@ request's anchor plus the drafts it verifies), the drafter's call (over the requ
 with a forward, so deep), and the rest (verification, sampling, the engine's own work, growing with
 the requests). The engine times the forward and the drafter's call of every step; ``LearnedCosts``
 keeps recent samples of each part in buckets (rows, requests and depth on a log scale), and prices
-any step from them by interpolation. Each part is learned from every step, prefilling ones included:
+any step from them by interpolation, the drafter's call as one fit over requests, depth and the
+context rows it took in beyond its requests' last rounds (``CallCost``: a new request's first call
+takes in its whole prompt). Each part is learned from every step, prefilling ones included:
 the forward's cost depends mostly on its rows, whichever request they serve, so a server whose steps
 always admit someone (many short requests) learns as well as one that only decodes. Mostly: a
 decoding step of R requests pays per request (R contexts attended, R ragged blocks laid out) what a
@@ -29,8 +31,10 @@ import math
 import os
 import platform
 from collections import deque
+from itertools import combinations
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .base import StepOutcome
@@ -130,6 +134,73 @@ class Curve:
         return c
 
 
+class CallCost:
+    """The drafter's call, in seconds, as c0 + c1 n + c2 n d + c3 rows for n requests drafting d
+    tokens each and ``rows`` context rows taken in beyond their last rounds (a fixed part, a part
+    per request, per drafted row, per caught-up row), non-negative, fitted by least squares to the
+    last ``keep`` calls (then again without those it fits worst: a call in a slow spell). One fit
+    over every shape the policy happened to run: curves kept per depth, each carried on alone
+    beyond the few loads a policy drafted that deep at, priced a call 6 deep at 8 requests three
+    times one 7 deep; and a new request's first call, which takes in its whole prompt, priced every
+    call of its shape as dear."""
+
+    def __init__(self, keep: int = 96) -> None:
+        self.calls: deque = deque(maxlen=keep)      # (n, depth, rows, seconds)
+        self._coef: tuple[float, ...] | None = None
+
+    def add(self, n: int, depth: int, seconds: float, rows: int = 0) -> None:
+        self.calls.append((float(n), float(depth), float(rows), float(seconds)))
+        self._coef = None
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    @staticmethod
+    def _fit(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Non-negative least squares over the subsets of the columns (few columns: exact, and with
+        few distinct calls the simplest exact fit wins ties, the fixed part alone first)."""
+        best, best_err = np.zeros(X.shape[1]), None
+        cols = range(X.shape[1])
+        for size in range(1, X.shape[1] + 1):
+            for sub in combinations(cols, size):
+                c, *_ = np.linalg.lstsq(X[:, sub], y, rcond=None)
+                if (c < 0).any():
+                    continue
+                full = np.zeros(X.shape[1])
+                full[list(sub)] = c
+                err = float(((X @ full - y) ** 2).sum())
+                if best_err is None or err < best_err - 1e-9 * (1e-12 + float((y ** 2).sum())):
+                    best, best_err = full, err
+        return best
+
+    def coef(self) -> tuple[float, ...]:
+        if self._coef is None:
+            a = np.array(self.calls, dtype=float)
+            X = np.stack([np.ones(len(a)), a[:, 0], a[:, 0] * a[:, 1], a[:, 2]], axis=1)
+            y = a[:, 3]
+            c = self._fit(X, y)
+            if len(a) >= 8:         # again without the quarter it fits worst (slow spells)
+                r = y - X @ c
+                keep = r <= np.quantile(r, 0.75)
+                c = self._fit(X[keep], y[keep])
+            self._coef = tuple(float(v) for v in c)
+        return self._coef
+
+    def __call__(self, n: float, depth: float, rows: float = 0.0) -> float:
+        c0, c1, c2, c3 = self.coef()
+        return c0 + c1 * n + c2 * n * depth + c3 * rows
+
+    def to_json(self) -> list:
+        return [list(c) for c in self.calls]
+
+    @classmethod
+    def from_json(cls, d: list) -> CallCost:
+        c = cls()
+        for n, depth, rows, t in d:
+            c.add(int(n), int(depth), float(t), int(rows))
+        return c
+
+
 class LearnedCosts:
     """The three parts of a step's cost, learned from the steps observed (see the module doc)."""
 
@@ -141,7 +212,7 @@ class LearnedCosts:
         self.decode: dict[int, Curve] = {}      # requests bucket -> the same, decoding steps only,
                                                 # by 1 + the tokens verified beyond the anchors
         self.rest = Curve()                     # the step less forward and drafter, by requests
-        self.draft: dict[int, Curve] = {}       # depth -> seconds of the drafter's call, by requests drafting
+        self.draft = CallCost()                 # seconds of the drafter's call, by requests drafting and depth
         self.timed: dict[int, int] = {}         # requests bucket -> steps the whole block was timed at
         self.observed = 0                       # steps learned from, since made or loaded
 
@@ -165,7 +236,7 @@ class LearnedCosts:
         calls = [r.drafted for r in o.requests if r.drafted and not r.free and not r.forced]
         if calls and o.draft_seconds > 0:
             depth = round(sum(calls) / len(calls))
-            self.draft.setdefault(depth, Curve()).add(len(calls), o.draft_seconds)
+            self.draft.add(len(calls), depth, o.draft_seconds, o.draft_rows)
             if depth == self.block:     # the numbers of requests the whole block was timed for
                 b = bucket(len(calls))
                 self.timed[b] = self.timed.get(b, 0) + 1
@@ -215,15 +286,10 @@ class LearnedCosts:
         return c(top) + max(0.0, self.forward(rows) - self.forward(requests + top - 1))
 
     def drafter_seconds(self, requests: int, depth: float) -> float:
-        """The drafter's call for ``requests`` requests ``depth`` deep: measured at that depth, or
-        linear between the nearest depths measured (clamped beyond them)."""
+        """The drafter's call for ``requests`` requests ``depth`` deep (``CallCost``)."""
         if depth <= 0 or not self.draft:
             return 0.0
-        known = sorted(d for d, c in self.draft.items() if c)
-        lo = max((d for d in known if d <= depth), default=known[0])
-        hi = min((d for d in known if d >= depth), default=known[-1])
-        a, b = self.draft[lo](requests), self.draft[hi](requests)
-        return a if hi == lo else a + (depth - lo) / (hi - lo) * (b - a)
+        return self.draft(requests, depth)
 
     def table(self, max_requests: int) -> CostTable | None:
         """The cost table priced from what was learned (None before the first timed step): steps of
@@ -246,7 +312,7 @@ class LearnedCosts:
     def to_json(self) -> dict:
         return {"key": self.key, "block": self.block, "forward": self.forward.to_json(),
                 "decode_verified": {str(b): c.to_json() for b, c in self.decode.items()},
-                "rest": self.rest.to_json(), "draft": {str(d): c.to_json() for d, c in self.draft.items()},
+                "rest": self.rest.to_json(), "draft_calls": self.draft.to_json(),
                 "timed": {str(b): n for b, n in self.timed.items()}}
 
     def save(self) -> None:
@@ -275,7 +341,8 @@ class LearnedCosts:
             # "decode" (by rows) from before the curves were kept by verified tokens is relearned
             costs.decode = {int(k): Curve.from_json(v) for k, v in d.get("decode_verified", {}).items()}
             costs.rest = Curve.from_json(d["rest"])
-            costs.draft = {int(k): Curve.from_json(v) for k, v in d["draft"].items()}
+            # "draft" (curves per depth) from before the call was fitted as one is relearned
+            costs.draft = CallCost.from_json(d.get("draft_calls", []))
             costs.timed = {int(k): int(v) for k, v in d["timed"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring learned step costs in %s (%s): learning them again", path, e)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .algorithm1 import prefix_schedule, survivals
+from .algorithm1 import expected_commit, prefix_schedule, survivals
 from .base import RequestOutcome
 from .load_aware import LoadAwarePolicy, LoadAwareState, context_length, drafted
-from .profile import FreeProfile
+from .profile import FreeProfiles
 
 
 @dataclass
@@ -19,8 +19,9 @@ class PrefixState(LoadAwareState):
 
     free_idle: int = 0                  # steps its free proposals went unverified in a row
     free_pending: int = 0               # tokens of a free proposal verified this step (0: none)
-    # (verified, accepted) of the free proposal verified at its last step, for the free profile
-    free_settle: tuple[int, int] | None = None
+    free_evidence: int = 0              # that proposal's strength (Proposal.evidence)
+    # (strength, verified, accepted) of the free proposal verified at its last step, for the free profiles
+    free_settle: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -58,7 +59,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
                  probe_budget: float = 0.01, reference_every: int = 64, recent: int = 64):
         super().__init__(cost_table, block, probe_every, probe_budget, reference_every, recent)
-        self.free_profile = FreeProfile(16)    # the lookups' own acceptance, from 1/2
+        self.free_profile = FreeProfiles(16)   # the lookups' own acceptance by strength, from 1/2
         self._held: _HeldDepth | None = None
         self._quiet = 0                         # steps verifying nothing since a free proposal was explored
 
@@ -72,7 +73,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
     def _account(self, st: PrefixState, o: RequestOutcome) -> None:
         super()._account(st, o)
         if st.free_pending:
-            st.free_settle = (st.free_pending, o.accepted if o.speculated else 0)
+            st.free_settle = (st.free_evidence, st.free_pending, o.accepted if o.speculated else 0)
             st.free_pending = 0
 
     # ------------------------------------------------------------------ draft lengths
@@ -146,8 +147,11 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
             return []
         prof = self.profile.conditional()
         self._settle_free(requests)
-        free_prof = self.free_profile.conditional() if any(p.free for p in proposals) else prof
-        surv = [survivals(p, free_prof if p.free else prof) for p in proposals]
+        free_prof: dict[int, list[float]] = {}     # strength -> its free profile, this step
+        for p in proposals:
+            if p.free and p.evidence not in free_prof:
+                free_prof[p.evidence] = self.free_profile.conditional(p.evidence)
+        surv = [survivals(p, free_prof[p.evidence] if p.free else prof) for p in proposals]
         self._note_proposals(proposals, surv)
         n_drafting, depth = drafted(proposals)
         lengths = self._schedule(requests, proposals, surv, n_drafting, depth)
@@ -157,7 +161,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
             st = self.states[r.id]
             if p.free and len(p):
                 lengths[i] = self._explore_free(st, lengths[i], verifying or i == alone)
-                st.free_pending = lengths[i]
+                st.free_pending, st.free_evidence = lengths[i], p.evidence
         self._record(requests, lengths)
         self._expect(requests, lengths, n_drafting, depth)
         return lengths
@@ -171,17 +175,25 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
 
         def sps(B):             # B: a number, or (sps_many) an array of them
             return 1.0 / price(B - R)
-        if self._probed is None:
-            return prefix_schedule(surv, sps, sps_many=sps)
+        # the candidates to verify whatever they return, fixed from what was known before the step
+        # drew: a lookup's block (point masses) and a sampled block's first survival as they are, the
+        # rest of a sampled block as the recent proposals fared after their first (expected_commit)
+        settled = [len(p) if p.free or p.confidences is None else min(1, len(p)) for p in proposals]
         i = self._probed
-        lengths = (prefix_schedule([a if j != i else [] for j, a in enumerate(surv)], sps, sps_many=sps)
+        rows = surv if i is None else [a if j != i else [] for j, a in enumerate(surv)]
+        width = max((len(a) for a in rows), default=0)
+        commit = expected_commit(rows, settled, self.expected_survivals(width), sps) if width else 0
+        if i is None:
+            return prefix_schedule(rows, sps, sps_many=sps, commit=commit)
+        lengths = (prefix_schedule(rows, sps, sps_many=sps, commit=commit)
                    if any(p.free and len(p) for p in proposals) else [0] * R)
         lengths[i] = len(proposals[i])
         return lengths
 
     def _settle_free(self, requests) -> None:
         """Learn the free proposals' acceptance per position from what the target accepted of the
-        ones verified last step (their own profile: a lookup's acceptance is not the drafter's)."""
+        ones verified last step (their own profiles, by strength: a lookup's acceptance is not the
+        drafter's, and a long match's is not a short one's)."""
         for r in requests:
             st = self.states.get(r.id)
             if st is not None and st.free_settle is not None:

@@ -2,7 +2,8 @@
 
 ``AcceptanceProfile``: the observed conditional acceptance per position of the drafter's verified
 tokens (the survivals of drafters without confidences, and what drafting can expect to return);
-``FreeProfile``: the same for the lookups' free proposals, learnt apart; ``RecentSurvivals``: the
+``FreeProfile``: the same for the lookups' free proposals, learnt apart, and ``FreeProfiles``: one
+per strength of a lookup's evidence (its matched suffix length); ``RecentSurvivals``: the
 calibrated survival rows of the recent proposals, verified or not, with running totals per position.
 """
 
@@ -54,6 +55,52 @@ class FreeProfile(AcceptanceProfile):
                 self.hits[k] += 1
             else:
                 break
+
+
+class FreeProfiles:
+    """The free proposals' conditional acceptance per position, learnt apart for each strength of
+    their evidence (``Proposal.evidence``: a lookup's matched suffix length). One profile over all
+    of them misprices both ends: on the README's target, greedy, a one-token match's continuation
+    is accepted 0.28 / 0.10 / 0.06 at positions 1 - 3 and a match of four tokens or more 0.86 /
+    0.71 / 0.63, where their pooled profile said about 0.6 / 0.39 / 0.30 for both
+    (docs/scheduling.md). A strength seen little leans on the pooled profile: its estimate at a
+    position is its own hits plus ``weight`` tries at the pooled rate, over its tries plus
+    ``weight``. Strengths above ``strongest`` count as ``strongest``."""
+
+    def __init__(self, block: int, weight: float = 8.0, strongest: int = 8):
+        self.pooled = FreeProfile(block)
+        self.weight = weight
+        self.strongest = strongest
+        self._by: dict[int, tuple[list[float], list[float]]] = {}   # strength -> (tries, hits)
+
+    @property
+    def tries(self) -> list[float]:
+        """Tries per position over all strengths (with the pooled profile's prior)."""
+        return self.pooled.tries
+
+    @property
+    def hits(self) -> list[float]:
+        return self.pooled.hits
+
+    def observe(self, evidence: int, verified: int, accepted: int) -> None:
+        """One free proposal of this strength: ``verified`` tokens verified, ``accepted`` of them."""
+        self.pooled.observe(verified, accepted)
+        n = len(self.pooled.tries)
+        tries, hits = self._by.setdefault(min(max(0, evidence), self.strongest), ([0.0] * n, [0.0] * n))
+        for k in range(min(verified, n)):
+            tries[k] += 1
+            if accepted > k:
+                hits[k] += 1
+            else:
+                break
+
+    def conditional(self, evidence: int = 0) -> list[float]:
+        pooled = self.pooled.conditional()
+        own = self._by.get(min(max(0, evidence), self.strongest))
+        if own is None:
+            return pooled
+        w = self.weight
+        return [min(0.999, (h + w * c) / (t + w)) for h, t, c in zip(own[1], own[0], pooled)]
 
 
 class RecentSurvivals:
