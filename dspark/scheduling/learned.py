@@ -139,10 +139,10 @@ class CallCost:
     tokens each and ``rows`` context rows taken in beyond their last rounds (a fixed part, a part
     per request, per drafted row, per caught-up row), non-negative, fitted by least squares to the
     last ``keep`` calls (then again without those it fits worst: a call in a slow spell). One fit
-    over every shape the policy happened to run: curves kept per depth, each carried on alone
-    beyond the few loads a policy drafted that deep at, priced a call 6 deep at 8 requests three
-    times one 7 deep; and a new request's first call, which takes in its whole prompt, priced every
-    call of its shape as dear."""
+    over every shape the policy happened to run, since a policy drafts some depths at few loads
+    only, and a curve per depth carried on alone from those misprices the others; the rows part
+    keeps a new request's first call, which takes in its whole prompt, from pricing every call of
+    its shape as dear."""
 
     def __init__(self, keep: int = 96) -> None:
         self.calls: deque = deque(maxlen=keep)      # (n, depth, rows, seconds)

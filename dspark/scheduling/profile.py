@@ -16,9 +16,9 @@ class AcceptanceProfile:
     """Observed conditional acceptance per position (for drafters without confidences, and for
     requests that joined after the snapshot the async policy reads)."""
 
-    def __init__(self, block: int, prior: float = 0.5):
-        self.tries = [1.0] * max(1, block)
-        self.hits = [prior] * max(1, block)
+    def __init__(self, block: int, prior: float = 0.5, prior_tries: float = 1.0):
+        self.tries = [prior_tries] * max(1, block)
+        self.hits = [prior * prior_tries] * max(1, block)
 
     def learn(self, lengths: list[int], width: int, hits: list[int]) -> None:
         """One request's verified blocks since it was last learnt from: ``lengths``, the lengths the
@@ -60,18 +60,17 @@ class FreeProfile(AcceptanceProfile):
 class FreeProfiles:
     """The free proposals' conditional acceptance per position, learnt apart for each strength of
     their evidence (``Proposal.evidence``: a lookup's matched suffix length). One profile over all
-    of them misprices both ends: on the README's target, greedy, a one-token match's continuation
-    is accepted 0.28 / 0.10 / 0.06 at positions 1 - 3 and a match of four tokens or more 0.86 /
-    0.71 / 0.63, where their pooled profile said about 0.6 / 0.39 / 0.30 for both
-    (docs/scheduling.md). A strength seen little leans on the pooled profile: its estimate at a
-    position is its own hits plus ``weight`` tries at the pooled rate, over its tries plus
-    ``weight``. Strengths above ``strongest`` count as ``strongest``."""
+    of them misprices both ends: a one-token match's continuation is accepted far less often than a
+    long match's (docs/scheduling.md, the table under Algorithm 1). A strength seen little leans on
+    the pooled profile: its estimate at a position is its own hits plus ``weight`` tries at the
+    pooled rate, over its tries plus ``weight``. Strengths above ``strongest`` count as
+    ``strongest``."""
 
     def __init__(self, block: int, weight: float = 8.0, strongest: int = 8):
         self.pooled = FreeProfile(block)
         self.weight = weight
         self.strongest = strongest
-        self._by: dict[int, tuple[list[float], list[float]]] = {}   # strength -> (tries, hits)
+        self._by: dict[int, FreeProfile] = {}      # strength -> its own counts (no prior)
 
     @property
     def tries(self) -> list[float]:
@@ -85,14 +84,10 @@ class FreeProfiles:
     def observe(self, evidence: int, verified: int, accepted: int) -> None:
         """One free proposal of this strength: ``verified`` tokens verified, ``accepted`` of them."""
         self.pooled.observe(verified, accepted)
-        n = len(self.pooled.tries)
-        tries, hits = self._by.setdefault(min(max(0, evidence), self.strongest), ([0.0] * n, [0.0] * n))
-        for k in range(min(verified, n)):
-            tries[k] += 1
-            if accepted > k:
-                hits[k] += 1
-            else:
-                break
+        strength = min(max(0, evidence), self.strongest)
+        if strength not in self._by:
+            self._by[strength] = FreeProfile(len(self.pooled.tries), prior_tries=0.0)
+        self._by[strength].observe(verified, accepted)
 
     def conditional(self, evidence: int = 0) -> list[float]:
         pooled = self.pooled.conditional()
@@ -100,7 +95,7 @@ class FreeProfiles:
         if own is None:
             return pooled
         w = self.weight
-        return [min(0.999, (h + w * c) / (t + w)) for h, t, c in zip(own[1], own[0], pooled)]
+        return [min(0.999, (h + w * c) / (t + w)) for h, t, c in zip(own.hits, own.tries, pooled)]
 
 
 class RecentSurvivals:
