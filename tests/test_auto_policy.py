@@ -371,6 +371,22 @@ def test_a_call_that_takes_in_a_prompt_is_priced_apart_from_the_drafters_call(tm
     assert costs.draft(4, BLOCK, 300) == pytest.approx(steady + 0.2, rel=0.01)
 
 
+def test_a_first_call_timed_with_its_prompt_prices_the_next_calls_cheap_not_dear():
+    # one call timed, a new request's first (193 prompt rows): every split of its 27 ms fits it.
+    # Priced as a fixed part, every call would cost 27 ms and a policy would stop calling the
+    # drafter, so that nothing would ever correct the price; on the rows, the next call (few rows)
+    # is priced cheap, the policy drafts, and the calls timed then correct it
+    from dspark.scheduling.learned import CallCost
+    call = CallCost()
+    call.add(1, 7, 0.027, rows=193)
+    assert call(1, 7, 193) == pytest.approx(0.027)
+    assert call(1, 7, 2) < 0.001
+    for rows in (2, 0, 1, 3):
+        call.add(1, 7, 0.004 + 0.000119 * rows, rows=rows)
+    assert call(1, 7, 0) == pytest.approx(0.004, rel=0.05)
+    assert call(1, 7, 193) == pytest.approx(0.027, rel=0.05)
+
+
 def test_the_engine_reports_the_rows_a_drafters_call_took_in_beyond_its_rounds():
     from dspark.drafters.dspark import DSparkDrafter
     from dspark.engine import Engine

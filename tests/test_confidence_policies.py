@@ -443,6 +443,28 @@ def test_prefix_drafts_when_the_confident_few_pay_for_the_call_and_stops_when_th
     assert pol._draft_depth(reqs, 3) == 0 and sum(step([0.02] * 8)) <= 1   # a one-token probe at most
 
 
+def test_the_drafters_call_is_weighed_for_the_requests_no_lookup_serves():
+    """Six of eight requests have a lookup's free proposal (accepted ~all of the time), two do not.
+    Alone, the trained drafter's tokens (a_1 = 0.45) do not pay for a step that verifies them: its
+    first verified tokens cost 0.6 s (the step made ragged). Beside the free proposals, verified
+    anyway, that cost is paid, and the drafter's call is priced for the two requests it serves
+    (0.04 s, not 0.2 for all eight): drafting one token for them pays."""
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.prefix import PrefixPolicy
+    table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.1, 1.2], [1.4, 2.2, 2.8]]], draft=[[[0, 0.01, 0.02], [0, 0.2, 0.8]]])
+    pol = PrefixPolicy(table, block=3)
+    reqs = _requests(8)
+    pol.verify_lengths(reqs, [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.45] * 3)) for _ in reqs])
+    for _ in range(50):
+        pol.free_profile.observe(4, 3, 3)
+    assert pol._draft_depth(reqs, 3) == 0                       # no lookup: the drafter does not pay
+    assert pol._draft_depth(reqs, 3, [0] * 8) == 0
+    assert pol._draft_depth(reqs, 3, [3] * 6 + [0] * 2) >= 1     # beside the free proposals it does
+    assert pol.drafting_ratio > 1.0
+    assert pol._draft_depth(reqs, 3, [3] * 8) == 0              # every request served: no call to weigh
+
+
 def test_drafting_prices_the_context_a_request_hands_the_drafter_after_a_pause():
     """A request that has not drafted for a while hands the drafter every position since, all at
     its next call (0.01 s a row here): 16 requests x 40 rows pending make drafting dear, though one

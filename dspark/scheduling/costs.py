@@ -303,9 +303,11 @@ class CostModel:
             return pace * (base + (target - base + call) * scale)
         return seconds
 
-    def seconds_many(self, requests: int, extra: np.ndarray, context: int, depths, rows) -> np.ndarray:
-        """``seconds`` of steps in which all R requests draft d tokens and verify ``extra`` of them in
-        all: ``extra`` [len(depths), n], row i at depth ``depths[i]`` with ``rows[i]`` catch-up rows.
+    def seconds_many(self, requests: int, extra: np.ndarray, context: int, depths, rows,
+                     drafting: int | None = None) -> np.ndarray:
+        """``seconds`` of steps of R requests in which ``drafting`` of them (None: all R) draft d tokens
+        with the drafter's forward and ``extra`` drafted tokens are verified in all: ``extra``
+        [len(depths), n], row i at depth ``depths[i]`` (0: no call) with ``rows[i]`` catch-up rows.
         A table without the drafter's timings prices every such step as its own row (every drafted
         token verified)."""
         extra = np.asarray(extra, dtype=float)
@@ -316,7 +318,8 @@ class CostModel:
             return np.array([[self.seconds(requests, requests * d, context, rows=n)] for d, n in zip(depths, rows)]
                             ) + np.zeros_like(extra)
         base = t.target_seconds(requests, 0, context)
-        fixed = np.array([[t.drafter_seconds(requests, d, context) + t.context_row * n] for d, n in zip(depths, rows)])
+        calls = requests if drafting is None else drafting
+        fixed = np.array([[t.drafter_seconds(calls, d, context) + t.context_row * n] for d, n in zip(depths, rows)])
         more = t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base + fixed
         return (self.pace or 1.0) * (base + more * self.extra_scale)
 

@@ -83,7 +83,7 @@ class LoadAwarePolicy(Policy, Generic[St]):
         self.probe_scale = 1.0                        # a probe's measured / table drafting part
         self._rows = 0                                # catch-up rows of this step's drafting requests
         self._version = 0                             # proposals seen (what the searches read)
-        self._ratio = 1.0                             # best drafting tokens/s over plain, last search
+        self._ratio = 1.0                             # best drafting tokens/s over not drafting, last search
         # see _unchanged_since_no: (requests, proposals seen, rho, context column)
         self._no_key: tuple[int, int, float, int] | None = None
         self._key: tuple[int, int, float, int] = (0, 0, 0.0, 0)
@@ -95,7 +95,8 @@ class LoadAwarePolicy(Policy, Generic[St]):
 
     @property
     def drafting_ratio(self) -> float:
-        """The best drafting step's tokens/s over plain decoding's, at the last search (1 before any)."""
+        """The best drafting step's tokens/s over that of the same step without the drafter's call
+        (plain decoding, or the lookups' free proposals alone), at the last search (1 before any)."""
         return self._ratio
 
     # ------------------------------------------------------------------ what others tell it

@@ -83,7 +83,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
             return unpriced
         cap = self._refresh(requests, block_size)
         free = list(free) if free is not None else [0] * len(requests)
-        depth = 0 if self._unchanged_since_no(requests) else self._depth(requests, cap)
+        depth = 0 if self._unchanged_since_no(requests) else self._depth(requests, cap, free)
         if not depth:
             return self._with_free(requests, self._probe(requests), block_size, free)
         self._idle = 0
@@ -91,7 +91,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
             return self._drafting(requests, [0] * len(requests))
         return self._with_free(requests, [depth] * len(requests), block_size, free)
 
-    def _depth(self, requests, cap: int) -> int:
+    def _depth(self, requests, cap: int, free: list[int]) -> int:
         """The depth that pays: the held one while what its search read stands, else searched."""
         key, held, first = (self._key[0], self._key[3], cap), self._held, self._recent.mean(0)
         if (held is not None and held.key == key and held.steps < self.search_every
@@ -99,7 +99,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
                 and first is not None and held.first is not None and abs(first - held.first) < self.search_drift):
             held.steps += 1
             return held.depth
-        depth = self._draft_depth(requests, cap)
+        depth = self._draft_depth(requests, cap, free)
         self._found(depth > 0)
         self._held = _HeldDepth(key, 1, self._recent.added, depth, first) if depth else None
         return depth
@@ -114,32 +114,54 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         self._drafting(requests, [0 if f else w for w, f in zip(want, free)])
         return [min(f, block_size) if f else w for w, f in zip(want, free)]
 
-    def _draft_depth(self, requests, cap: int) -> int:
-        """How deep drafting can pay this step: the depth d maximising the expected tokens per second
-        of drafting d tokens for every request and then verifying, as Algorithm 1 would, the most
-        likely of them, against plain decoding. The survivals the R requests will show are taken to
-        be distributed as those of the recent proposals (``_pooled``, past steps only): each
-        position's pool stands for R candidates, so verifying the candidates down to a survival
-        lambda verifies R x (the pool's share above lambda) tokens and returns R x (their mean
-        survival x that share); every lambda is tried. Drafting is priced by the cost table for
-        all R requests at depth d, verification by the tokens verified."""
+    def _draft_depth(self, requests, cap: int, free: Sequence[int] | None = None) -> int:
+        """How deep the drafter's forward can pay this step: the depth d maximising the expected
+        tokens per second of the step in which every request a lookup does not serve (``free``: its
+        free proposal's length, 0: none) drafts d tokens, and Algorithm 1 then verifies the most
+        likely of all the step's candidates, the lookups' free proposals among them; against the
+        same step without the drafter (d = 0: the free proposals alone, or plain decoding). Where
+        most requests are served for nothing, the drafter's call is priced for the few it serves,
+        and its tokens are verified in a step that verifies the free ones anyway (at 8 requests on
+        a CPU a step's price per verified token falls steeply with the tokens it verifies).
+
+        The survivals the n drafting requests will show are taken to be distributed as those of the
+        recent proposals (``_pooled``, past steps only): each position's pool stands for n
+        candidates, so verifying the candidates down to a survival lambda verifies n x (the pool's
+        share above lambda) tokens and returns n x (their mean survival x that share); a free
+        proposal of length L stands for itself, a_1..a_L from the lookups' profile (the one over
+        every strength: a match's strength is known only once the lookup is drafted). Every lambda
+        is tried."""
         R = len(requests)
         ctx = context_length(requests)
+        free = list(free) if free is not None else [0] * R
+        drafting = [r for r, f in zip(requests, free) if not f]
+        n = len(drafting)
         plain = R / self.cost.seconds(R, 0, ctx, 0)
-        vals, pos, weights = self._pooled(cap, R)
+        vals, pos, weights = self._pooled(cap, n)
+        if not n:           # the lookups serve every request: no call to weigh
+            return 0
+        lengths = [min(f, cap) for f in free if f]
+        if lengths:     # the free proposals, there at every depth (position -1)
+            a = np.cumprod(np.clip(self.free_profile.conditional()[:cap], 0.0, 1.0))
+            fv = np.concatenate([a[:f] for f in lengths])
+            vals = np.concatenate([vals, fv])
+            pos = np.concatenate([pos, np.full(fv.size, -1)])
+            weights = np.concatenate([weights, np.ones(fv.size)])
         order = np.argsort(-vals, kind="stable")
         vals, pos, weights = vals[order], pos[order], weights[order]
-        # row d - 1: drafting d tokens; candidates deeper than d count for nothing in that row
-        w = np.where(pos[None, :] < np.arange(1, cap + 1)[:, None], weights[None, :], 0.0)
-        extra = np.cumsum(w, axis=1)
-        tau = R + np.cumsum(w * vals[None, :], axis=1)
-        backlog = [self.backlog(r, 0) for r in requests]
-        rows = [sum(max(0, b - d) for b in backlog) for d in range(1, cap + 1)]
-        theta = tau / self.cost.seconds_many(R, extra, ctx, list(range(1, cap + 1)), rows)
+        # row d: the drafter drafting d tokens (row 0: not called); candidates deeper than d count
+        # for nothing in that row; column 0: verifying nothing beyond the anchors
+        w = np.where(pos[None, :] < np.arange(0, cap + 1)[:, None], weights[None, :], 0.0)
+        extra = np.concatenate([np.zeros((cap + 1, 1)), np.cumsum(w, axis=1)], axis=1)
+        tau = R + np.concatenate([np.zeros((cap + 1, 1)), np.cumsum(w * vals[None, :], axis=1)], axis=1)
+        backlog = [self.backlog(r, 0) for r in drafting]
+        rows = [sum(max(0, b - d) for b in backlog) for d in range(0, cap + 1)]
+        theta = tau / self.cost.seconds_many(R, extra, ctx, list(range(0, cap + 1)), rows, drafting=n)
         best = theta.max(axis=1)
-        d = int(np.argmax(best))
-        self._ratio = float(best[d]) / plain
-        return d + 1 if best[d] > plain else 0
+        best[0] = max(best[0], plain)
+        d = int(np.argmax(best[1:])) + 1
+        self._ratio = float(best[d]) / float(best[0])
+        return d if best[d] > best[0] else 0
 
     # ------------------------------------------------------------------ verify lengths
     def verify_lengths(self, requests, proposals):
