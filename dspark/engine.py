@@ -559,7 +559,7 @@ class Engine:
             return proposals, []
         ctxs = cast(list[DraftContext], [r.ctx for r in decode])   # decoding requests all have a context
         # what each request could draft at no cost, for the policies that weigh it
-        free = self.drafter.free_lengths(ctxs) if self.policy.uses_free_drafts else None
+        free = self.drafter.free_lengths(ctxs) if self.policy.wants_free(decode) else None
         t0 = time.perf_counter()
         want = self.policy.draft_lengths(decode, self.block_size, free)
         self.policy_seconds += time.perf_counter() - t0

@@ -124,6 +124,9 @@ class _Spy:
     def draft_lengths(self, requests, block_size, free=None):
         return self.policy.draft_lengths(requests, block_size, free)
 
+    def wants_free(self, requests):
+        return self.policy.wants_free(requests)
+
     def verify_lengths(self, requests, proposals):
         out = self.policy.verify_lengths(requests, proposals)
         self.lengths.update(out)
@@ -683,3 +686,39 @@ def test_free_proposals_explored_alone_one_request_at_a_time():
     assert max(verifying) == 1                        # never several requests' tokens alone
     # still learning, each lone token within the probes' budget of the plain steps' time
     assert 2 <= sum(verifying) <= 0.01 * 80 / (0.25 / 32 / 0.125) + 1
+
+
+def test_lookups_rest_while_their_proposals_go_unverified_and_wake_when_one_is_verified():
+    """A lookup per request costs a step time too: after ``free_rest_after`` steps whose free
+    proposals the search verified none of, the policy asks for them every ``probe_every``-th step
+    only; once one is verified again (here: the step's price falls), every step."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.base import RequestOutcome
+    R = 32
+    dear = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.25, 1.6, 2.0], [1.0, 1.25, 1.6, 2.0]]])
+    cheap = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
+                      seconds=[[[1.0, 1.01, 1.02, 1.03], [1.0, 1.01, 1.02, 1.03]]])
+    policy = make_policy("prefix", 3, cost_table=dear)
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
+
+    def run(steps, accept):
+        asked = []
+        for _ in range(steps):
+            ask = policy.wants_free(reqs)
+            asked.append(ask)
+            policy.draft_lengths(reqs, 3, [3] * R if ask else None)
+            props = [Proposal(torch.tensor([5, 6, 7]), free=True) if ask else Proposal.empty() for _ in reqs]
+            lengths = policy.verify_lengths(reqs, props)
+            policy.observe(StepOutcome(tuple(RequestOutcome(i, len(p), n, n if accept else 0, free=p.free)
+                                             for i, (p, n) in enumerate(zip(props, lengths))), 1.0, True))
+        return asked
+
+    asked = run(80, False)
+    assert all(asked[:policy.free_rest_after])
+    rest = asked[policy.free_rest_after + 1:]
+    assert 0 < sum(rest) <= len(rest) // policy.probe_every + 1
+    policy.reprice(cheap)
+    asked = run(24, True)
+    assert all(asked[policy.probe_every:])

@@ -79,6 +79,9 @@ class AutoPolicy(Policy):
             return want
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
 
+    def wants_free(self, requests) -> bool:
+        return self.inner.wants_free(requests)
+
     def verify_lengths(self, requests, proposals) -> list[int]:
         return self.inner.verify_lengths(requests, proposals)
 

@@ -101,6 +101,11 @@ class Policy:
         policies only; None = none)."""
         return [block_size] * len(requests)
 
+    def wants_free(self, requests) -> bool:
+        """Whether the engine asks the drafter this step what each request could be proposed for
+        nothing (``free`` in ``draft_lengths``): a lookup per request costs a step time too."""
+        return self.uses_free_drafts
+
     def verify_lengths(self, requests, proposals) -> list[int]:
         return [len(p) for p in proposals]
 

@@ -55,6 +55,12 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
     # the policy's decision time at one or two requests
     search_every = 8
     search_drift = 0.05
+    # after this many steps in a row whose free proposals the search verified none of (explorations
+    # aside), the lookups are asked for only every ``probe_every``-th step until one is verified
+    # again: at 32 requests a lookup per request costs about 1 % of a plain step, for proposals a
+    # heavy load verifies almost never (a long match keeps matching on the next steps: one found a
+    # few steps late loses little)
+    free_rest_after = 16
 
     def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
                  probe_budget: float = 0.01, reference_every: int = 64, recent: int = 64):
@@ -62,6 +68,8 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         self.free_profile = FreeProfiles(16)   # the lookups' own acceptance by strength, from 1/2
         self._held: _HeldDepth | None = None
         self._quiet = 0                         # steps verifying nothing since a free proposal was explored
+        self._free_unused = 0                   # steps in a row whose free proposals went unverified
+        self._free_asked = 0                    # steps since the lookups were last asked, while resting
 
     def _new_state(self) -> PrefixState:
         return PrefixState()
@@ -90,6 +98,15 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         if self._reference_due():
             return self._drafting(requests, [0] * len(requests))
         return self._with_free(requests, [depth] * len(requests), block_size, free)
+
+    def wants_free(self, requests) -> bool:
+        if self._free_unused < self.free_rest_after:
+            return True
+        self._free_asked += 1
+        if self._free_asked >= self.probe_every:
+            self._free_asked = 0
+            return True
+        return False
 
     def _depth(self, requests, cap: int, free: list[int]) -> int:
         """The depth that pays: the held one while what its search read stands, else searched."""
@@ -177,6 +194,9 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         self._note_proposals(proposals, surv)
         n_drafting, depth = drafted(proposals)
         lengths = self._schedule(requests, proposals, surv, n_drafting, depth)
+        offered = [n for n, p in zip(lengths, proposals) if p.free and len(p)]
+        if offered:     # the search's own choice, explorations aside
+            self._free_unused = 0 if any(offered) else self._free_unused + 1
         verifying = any(lengths)
         alone = None if verifying else self._lone_exploration(requests, proposals)
         for i, (r, p) in enumerate(zip(requests, proposals)):
