@@ -149,14 +149,13 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         every strength: a match's strength is known only once the lookup is drafted). Every lambda
         is tried."""
         R = len(requests)
-        ctx = context_length(requests)
         free = list(free) if free is not None else [0] * R
         drafting = [r for r, f in zip(requests, free) if not f]
         n = len(drafting)
-        plain = R / self.cost.seconds(R, 0, ctx, 0)
-        vals, pos, weights = self._pooled(cap, n)
         if not n:           # the lookups serve every request: no call to weigh
             return 0
+        ctx = context_length(requests)
+        vals, pos, weights = self._pooled(cap, n)
         lengths = [min(f, cap) for f in free if f]
         if lengths:     # the free proposals, there at every depth (position -1)
             a = np.cumprod(np.clip(self.free_profile.conditional()[:cap], 0.0, 1.0))
@@ -167,15 +166,16 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         order = np.argsort(-vals, kind="stable")
         vals, pos, weights = vals[order], pos[order], weights[order]
         # row d: the drafter drafting d tokens (row 0: not called); candidates deeper than d count
-        # for nothing in that row; column 0: verifying nothing beyond the anchors
+        # for nothing in that row; column 0: verifying nothing beyond the anchors (row 0, column 0:
+        # a plain step)
         w = np.where(pos[None, :] < np.arange(0, cap + 1)[:, None], weights[None, :], 0.0)
         extra = np.concatenate([np.zeros((cap + 1, 1)), np.cumsum(w, axis=1)], axis=1)
         tau = R + np.concatenate([np.zeros((cap + 1, 1)), np.cumsum(w * vals[None, :], axis=1)], axis=1)
         backlog = [self.backlog(r, 0) for r in drafting]
-        rows = [sum(max(0, b - d) for b in backlog) for d in range(0, cap + 1)]
+        # catch-up rows are taken in by a call only: none in row 0
+        rows = [sum(max(0, b - d) for b in backlog) if d else 0 for d in range(0, cap + 1)]
         theta = tau / self.cost.seconds_many(R, extra, ctx, list(range(0, cap + 1)), rows, drafting=n)
         best = theta.max(axis=1)
-        best[0] = max(best[0], plain)
         d = int(np.argmax(best[1:])) + 1
         self._ratio = float(best[d]) / float(best[0])
         return d if best[d] > best[0] else 0
