@@ -3,8 +3,10 @@ learned from timed steps price steps as the machine ran them; the policy measure
 lacks with regular decoding steps (a few per load, then never again), hands over to the prefix
 policy, keeps the target's distribution, and a second run starts priced from the cache."""
 
+import dataclasses
 import json
 import logging
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -407,3 +409,51 @@ def test_the_engine_reports_the_rows_a_drafters_call_took_in_beyond_its_rounds()
     # the first call takes in the prompt; the next ones the positions their last round verified only
     assert drafting[0].draft_rows == len(prompt)
     assert len(drafting) > 1 and all(o.draft_rows == 0 for o in drafting[1:])
+
+
+def _hybrid_steps(policy, n_requests, free, steps):
+    """``steps`` steps of the hybrid at ``n_requests`` requests, the lookups matching where ``free``
+    is non-zero (their blocks free, the drafter's call timed for the others)."""
+    reqs = requests(n_requests)
+    served = tuple(i for i, f in enumerate(free) if f)
+    for _ in range(steps):
+        want = policy.draft_lengths(reqs, BLOCK, list(free))
+        props = [Proposal(torch.ones(w, dtype=torch.long), None, torch.full((w,), 0.9), free=i in served)
+                 if w else Proposal.empty() for i, w in enumerate(want)]
+        lengths = policy.verify_lengths(reqs, props)
+        out = timed(lengths, drafted=[len(p) for p in props], free=served)
+        policy.observe(dataclasses.replace(out, requests=tuple(      # every draft accepted: drafting pays
+            dataclasses.replace(o, accepted=o.verified) for o in out.requests)))
+
+
+def test_the_call_is_measured_for_the_requests_the_drafter_serves_not_for_the_load(tmp_path, monkeypatch):
+    # at 8 requests the lookups serve 7: the call runs for one request, so timing it for one is what
+    # prices it; asking for a call timed for about 8 (which never runs) measured again in every run.
+    # A drafter cheap enough that drafting pays (where it does not, nothing is measured anyway)
+    monkeypatch.setattr(sys.modules[__name__], "draft_s", lambda requests, depth: 0.0002 + 0.00005 * requests * depth)
+    path = tmp_path / "c.json"
+    free = [2] * 7 + [0]
+    explored = []
+    for _ in range(3):
+        policy = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts.load_or_new("k", BLOCK, path), max_requests=8)
+        _hybrid_steps(policy, 8, free, 12)
+        policy.close()
+        explored.append(sum(policy._explored.values()))
+    assert explored[0] >= 1, "the call was never measured"
+    assert explored[1:] == [0, 0], explored
+
+
+def test_new_shapes_reprice_at_most_every_few_steps(tmp_path):
+    # the steps verify more tokens each time, so nearly every one teaches a shape the costs had not
+    # seen (enough) at this load: the table is rebuilt for them every ``reprice_soon`` steps, not each
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=16, reprice_soon=8, reprice_every=32)
+    rebuilds: list = []
+    policy.inner.reprice = rebuilds.append
+    new = []
+    observe = costs.observe
+    costs.observe = lambda o: (new.append(observe(o)), new[-1])[1]
+    for step in range(48):
+        policy.observe(timed([min(BLOCK, max(0, step - BLOCK * i)) for i in range(16)]))
+    assert sum(new) >= 40, f"only {sum(new)} steps of new shapes"
+    assert 48 // 8 - 1 <= len(rebuilds) <= 48 // 8, len(rebuilds)      # not one rebuild a new shape

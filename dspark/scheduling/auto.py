@@ -18,9 +18,10 @@ policy chooses may never show, so the policy runs them itself, as regular, lossl
   prices known so far (the call is spent by then; verifying the whole block too would cost a heavy
   load several plain steps and teach nothing the decoding steps do not).
 
-After each measuring step, each decoding step of a shape the costs had seen only a few times at its
-load (a load's first verifying steps teach what its verification costs) and every ``reprice_every``
-steps the table the inner policy prices with is rebuilt from the costs, and they are saved (every
+After each measuring step, after a decoding step of a shape the costs had seen only a few times at
+its load (a load's first verifying steps teach what its verification costs) once ``reprice_soon``
+steps have passed since the last rebuild, and every ``reprice_every`` steps, the table the inner
+policy prices with is rebuilt from the costs, and they are saved (every
 ``save_every`` steps once measured).
 """
 
@@ -41,12 +42,14 @@ class AutoPolicy(Policy):
     name = "auto"
 
     def __init__(self, inner: LoadAwarePolicy, costs: LearnedCosts, max_requests: int,
-                 explore_steps: int = 2, reprice_every: int = 32, save_every: int = 256):
+                 explore_steps: int = 2, reprice_every: int = 32, reprice_soon: int = 8,
+                 save_every: int = 256):
         self.inner = inner
         self.costs = costs
         self.max_requests = max_requests
         self.explore_steps = explore_steps
         self.reprice_every = reprice_every
+        self.reprice_soon = reprice_soon
         self.save_every = save_every
         self.uses_free_drafts = inner.uses_free_drafts
         self.measuring: int | None = None      # the depth this step runs to measure it, or None
@@ -93,7 +96,10 @@ class AutoPolicy(Policy):
         self.inner.observe(outcome)
         self._since_price += 1
         self._since_save += 1
-        if self._since_price >= self.reprice_every or self.measuring is not None or new_shape:
+        # a new shape's price is worth using soon, but a rebuild prices every shape of every load:
+        # for new shapes at most every ``reprice_soon`` steps; after every measuring step
+        if (self.measuring is not None or self._since_price >= self.reprice_every
+                or (new_shape and self._since_price >= self.reprice_soon)):
             self._since_price = 0
             self.inner.reprice(self.costs.table(self.max_requests))
         if self._since_save >= self.save_every or self.measuring is not None:
@@ -130,8 +136,11 @@ class AutoPolicy(Policy):
         # over every request's whole block and its prompt's features, several plain steps' worth.
         if any(not pays for lighter, pays in self._pays.items() if lighter <= b):
             return None
-        depth = self.costs.missing(requests)
-        if depth is None or not served:
+        # the call runs for the requests no lookup serves, so it is priced (and wanted timed) for
+        # about as many as the drafter serves here: asking for the load would keep measuring a call
+        # that never runs for that many (at 8 requests a lookup may serve 7 of them every step)
+        depth = self.costs.missing(served) if served else None
+        if depth is None:
             return None
         if first:
             log.info("auto policy: measuring the step costs at %d request(s)", requests)
