@@ -69,7 +69,7 @@ def _checked(sampling: SamplingParams | None, max_new_tokens, num_draft) -> Samp
 
 def generate(prompt: str, *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
              sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
-             num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
+             num_draft: int | None = None, dtype: str = "auto", device: str = "cpu",
              stream=None, batch_invariant: bool = False, structured: GrammarSpec | None = None) -> GenerationResult:
     """Generate text from ``prompt`` with speculative decoding; the output is distributed exactly
     as the target's own sampling (``sampling``; greedy when temperature is 0), restricted to what
@@ -92,7 +92,7 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
 
 def generate_batch(prompts: list[str], *, target: str | Target | None = None, drafter: str | Drafter | None = "auto",
                    sampling: SamplingParams | None = None, max_new_tokens: int = 128, chat: bool = False,
-                   num_draft: int | None = None, dtype: str = "bf16", device: str = "cpu",
+                   num_draft: int | None = None, dtype: str = "auto", device: str = "cpu",
                    max_concurrency: int = 16, policy: str = "auto",
                    prefix_caching: bool = True, structured: GrammarSpec | None = None) -> list[GenerationResult]:
     """Generate from many prompts at once, the way vLLM's offline ``LLM.generate`` does: up to

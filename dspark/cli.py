@@ -64,8 +64,9 @@ def _add_model_flags(p: argparse.ArgumentParser, compile_default: bool = False) 
     p.add_argument("--target", default=None,
                    help="bundled model name, Hugging Face model folder or .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="bf16 is the fast dtype on CPUs with AVX-512 bf16, fp32 the exact one")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto (default): bf16 on GPUs and on CPUs with bf16 instructions (AVX-512 BF16, AMX), "
+                        "where it is the fast dtype, fp32 on other CPUs; fp32 is the exact one")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--batch-invariant", action="store_true",
@@ -413,6 +414,9 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: --help (0) or bad usage (2)
         return e.code if isinstance(e.code, int) else 2
     try:
+        if getattr(args, "dtype", None) == "auto":     # named as resolved in every report
+            from .runtime.loading import dtype_name, fast_dtype
+            args.dtype = dtype_name(fast_dtype(args.device))
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":

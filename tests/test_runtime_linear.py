@@ -2,7 +2,8 @@
 
 What the guarantees need from ``linear``, and so what these tests check: a row's bits do not depend
 on how many rows share the product where batch invariance is promised (``rows_alike``); fp32
-weights stay on ``F.linear`` (the exact path); a packed weight computes its dense tensor's product
+weights are never packed, and their products are ``F.linear``'s or ``w @ x.T``'s (whichever was
+timed faster for the shape: both are tested, forced); a packed weight computes its dense tensor's product
 (up to bf16 rounding: bit equality with ``F.linear`` is not a guarantee). Whether this CPU packs is
 a hardware matter: the decision is tested with packing forced on and off, never for being taken
 on the machine at hand.
@@ -150,7 +151,40 @@ def test_pack_leaves_other_weights_alone():
     assert L.pack(w1) is w1                        # not a matrix
     assert L.pack(None) is None
     x = torch.randn(3, 4)
-    assert torch.equal(L.linear(x, w32), F.linear(x, w32))
+    assert torch.allclose(L.linear(x, w32), F.linear(x, w32), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_fp32_products_take_the_kernel_timed_faster_and_compute_the_product(monkeypatch, transposed):
+    monkeypatch.setattr(L, "transposed_faster", lambda shape, threads=None: transposed)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    for rows in (1, 2, 7, 64, L.FEW_ROWS, L.FEW_ROWS + 1):
+        x = torch.randn(rows, 80, generator=g)
+        for bias in (None, b):
+            y = L.linear(x, w, bias)
+            assert y.shape == (rows, 96)
+            assert torch.allclose(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # batch-invariant products keep ``F.linear`` (the path whose rows that mode is built on)
+    calls = []
+    monkeypatch.setattr(L.torch, "matmul", lambda *a: calls.append(a) or torch.mm(*a))
+    L.linear(torch.randn(5, 80, generator=g), w, rows_alike=True)
+    assert not calls
+
+
+def test_the_fp32_kernel_choice_is_timed_once_per_shape_and_can_be_forced(monkeypatch):
+    L.transposed_faster.cache_clear()
+    try:
+        assert isinstance(L.transposed_faster((64, 32), 1), bool)
+        assert L.transposed_faster.cache_info().misses == 1
+        L.transposed_faster((64, 32), 1)
+        assert L.transposed_faster.cache_info().hits == 1
+        for forced in ("0", "1"):
+            monkeypatch.setenv("DSPARK_TRANSPOSED_LINEAR", forced)
+            L.transposed_faster.cache_clear()
+            assert L.transposed_faster((64, 32), 1) is (forced == "1")
+    finally:
+        L.transposed_faster.cache_clear()
 
 
 def test_a_shape_whose_rows_differ_by_row_count_stays_dense(monkeypatch):

@@ -17,13 +17,16 @@ the 160 checked differs.)
 Where packing is not available (another device, a torch without oneDNN, fp32 models, a probe that
 disagrees, ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
 path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, as measured faster on
-the 2-core Xeon VM, and ``F.linear`` for everything else.
+the 2-core Xeon VM; a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is
+faster than ``F.linear`` (``transposed_faster``: on a CPU with AVX2 alone, several times for a large
+weight); ``F.linear`` for everything else.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import TypeVar, overload
 
 import torch
@@ -159,7 +162,41 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
         else:
             y = torch.matmul(w, x.t()).t()
         return y if b is None else y + b
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS and not rows_alike
+            and x.dim() == 2 and transposed_faster(tuple(w.shape), torch.get_num_threads())):
+        y = torch.matmul(w, x.t()).t()
+        return y if b is None else y + b
     return F.linear(x, w, b)
+
+
+FEW_ROWS = 256      # fp32 products of up to this many rows may run as ``w @ x.T`` (a verification block, a short prompt)
+
+
+@functools.cache
+def transposed_faster(shape: tuple[int, int], threads: int | None = None) -> bool:
+    """Whether an fp32 CPU product of a few rows by a weight of this shape runs faster as ``w @ x.T``
+    than as ``F.linear``, timed once per shape (and thread count) on random data at 8 rows, the
+    best of 3 runs each. Which is faster depends on the BLAS and the CPU: on some (AVX2 alone),
+    ``F.linear``'s few-row kernel streams a large weight once per row, ``w @ x.T`` once per call."""
+    del threads     # part of the cache key: the timing is per thread count
+    if os.environ.get("DSPARK_TRANSPOSED_LINEAR") in ("0", "1"):
+        return os.environ["DSPARK_TRANSPOSED_LINEAR"] == "1"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g)
+    x = torch.randn(8, shape[1], generator=g)
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    plain = best(lambda: F.linear(x, w))
+    flipped = best(lambda: torch.matmul(w, x.t()))
+    return flipped < 0.9 * plain
 
 
 def _packed_product(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None) -> torch.Tensor:

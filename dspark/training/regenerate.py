@@ -52,7 +52,7 @@ def request_seed(seed: int, row_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(row_id.encode())) % (2 ** 62)
 
 
-def regenerate(prompts_path, out_path, *, target=None, dtype="bf16", device="cpu", endpoint=None,
+def regenerate(prompts_path, out_path, *, target=None, dtype="auto", device="cpu", endpoint=None,
                model_name=None, api_key=None, max_new_tokens=384, max_prompt_tokens=512,
                concurrency=32, temperature=0.7, top_p=0.8, top_k=20, seed=0, limit=None,
                progress=True, log=print) -> dict:
