@@ -1,5 +1,6 @@
 """Tiny random targets and drafters shared by the trained-drafter and training tests."""
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -11,9 +12,13 @@ from dspark.drafters.eagle3 import Eagle3Model
 from dspark.runtime.model import Decoder
 
 VOCAB = 5
+# where the tiny targets live: `DSPARK_TEST_DEVICE=cuda` runs the tests built on them on a GPU
+# (scripts/cuda_check.sh); the drafters follow their target's device
+DEVICE = os.environ.get("DSPARK_TEST_DEVICE", "cpu")
 
 
-def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB, dtype=torch.float32) -> Decoder:
+def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB, dtype=torch.float32,
+                device: str = DEVICE) -> Decoder:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -21,7 +26,7 @@ def tiny_target(seed: int = 0, scale: float = 8.0, vocab: int = VOCAB, dtype=tor
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(scale)     # sharper, context-dependent distributions
-    return Decoder.from_hf(m, dtype=dtype)
+    return Decoder.from_hf(m, dtype=dtype, device=device)
 
 
 def tiny_config(kind="dspark", head="vanilla", layers=1, block=3, vocab=VOCAB, qk_norm=False) -> DrafterConfig:

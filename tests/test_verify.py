@@ -328,7 +328,8 @@ def _mixed_step(device="cpu"):
     cases = [_case(rng, 40, g) for _ in range(24)]
     kinds = {("greedy" if c[3].greedy else c[4], len(c[0]) > 0) for c in cases}
     assert {("greedy", True), ("probs", True), ("point mass", True), ("probs", False)} <= kinds
-    ref = [verify(x, q, logits, params, torch.Generator().manual_seed(i))
+    # the answers per request on the same device: a device's random stream is its own
+    ref = [verify(x, None if q is None else q.to(device), logits.to(device), params, torch.Generator(device).manual_seed(i))
            for i, (x, q, logits, params, _) in enumerate(cases)]
     args = stack_requests([(x, None if q is None else q.to(device), target_rows(logits.to(device), params),
                             params.greedy, torch.Generator(device).manual_seed(i))

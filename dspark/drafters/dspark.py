@@ -114,19 +114,22 @@ class DSparkModel(nn.Module):
         [A, g] or None.
         """
         c = self.config
+        dev = self.backbone.fc.weight.device       # the inputs follow the drafter's weights
+        features, ids, anchors = features.to(dev), ids.to(dev), anchors.to(dev)
         g, L, A = c.block_size, ids.shape[0], anchors.shape[0]
         ctx_len = int(anchors.max()) if A else 0
         ctx = self.backbone.fuse(features[:ctx_len].to(self.backbone.fc.weight.dtype))
-        kv = self.backbone.context_kv(ctx, torch.arange(ctx_len))
+        kv = self.backbone.context_kv(ctx, torch.arange(ctx_len, device=dev))
         x = self.mask_embedding.to(ctx.dtype).expand(A, g, -1).clone()
         x[:, 0] = self.embed_tokens(ids[anchors]).to(x.dtype)
-        pos = (anchors[:, None] + torch.arange(g)[None]).reshape(-1)
+        steps = torch.arange(g, device=dev)[None]
+        pos = (anchors[:, None] + steps).reshape(-1)
         h = self.backbone(x.reshape(A * g, -1), pos, kv, None, anchors=anchors).view(A, g, -1)
         logits = self.base_logits(h)
         conf = None
         e = None
         if self.head is not None:
-            idx = (anchors[:, None] + torch.arange(g)[None]).clamp(max=L - 1)   # x_{k-1}: anchor, then truth
+            idx = (anchors[:, None] + steps).clamp(max=L - 1)   # x_{k-1}: anchor, then truth
             prev = self.prev_rows[ids[idx]]
             bias, e = self.head.teacher_forced(h, prev)
             logits = logits + bias
@@ -187,9 +190,9 @@ class DSparkDrafter(Drafter):
         self.device = target.device
         # calibrated confidence c_k = sigmoid(z_k / T_k + b_k) (b = 0 unless calibrated with --shift)
         temps = c.sts_temperatures or [1.0] * c.block_size
-        self.temps = torch.tensor(temps[:c.block_size] + [1.0] * (c.block_size - len(temps)))
+        self.temps = torch.tensor(temps[:c.block_size] + [1.0] * (c.block_size - len(temps)), device=self.device)
         shifts = c.sts_shifts or [0.0] * c.block_size
-        self.shifts = torch.tensor(shifts[:c.block_size] + [0.0] * (c.block_size - len(shifts)))
+        self.shifts = torch.tensor(shifts[:c.block_size] + [0.0] * (c.block_size - len(shifts)), device=self.device)
         self.cache: KVCache | None = None
         self._serving_weights()
         self._compiled: CompiledBlock | None = None

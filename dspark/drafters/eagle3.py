@@ -44,6 +44,8 @@ class Eagle3Model(DSparkModel):
     def forward_train(self, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor):
         """Unrolled chains from every anchor. Returns (None, logits [A, g, Vd], None)."""
         c = self.config
+        dev = self.backbone.fc.weight.device       # the inputs follow the drafter's weights
+        features, ids, anchors = features.to(dev), ids.to(dev), anchors.to(dev)
         g, L = c.block_size, ids.shape[0]
         layer = cast(DrafterLayer, self.backbone.layers[0])
         rope = self.backbone.rope
@@ -52,17 +54,17 @@ class Eagle3Model(DSparkModel):
         e = self.embed_tokens(ids[1:n + 1]).to(f.dtype)
         x0 = torch.cat([e, f], -1)
         h = layer.input_norm(x0)
-        pos0 = torch.arange(n)
+        pos0 = torch.arange(n, device=dev)
         k0 = layer.keys(h, pos0, rope)
         v0 = layer.v_proj(h).view(n, layer.Hkv, layer.hd)
         # step 0 for all entries (causal), then keep the anchors' chains
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         out0 = layer(x0, pos0, rope, k0[:0], v0[:0], causal, residual=f)
         j = anchors - 1                              # the chain of anchor i starts at entry i-1
         A = j.shape[0]
         hs = [out0[j]]
         ks, vs = [], []
-        ctx_mask = torch.arange(n)[None, :] <= j[:, None]          # [A, n]
+        ctx_mask = torch.arange(n, device=dev)[None, :] <= j[:, None]          # [A, n]
         for s in range(1, g):
             tok = ids[(j + s + 1).clamp(max=L - 1)]                # teacher-forced token x_s
             x = torch.cat([self.embed_tokens(tok).to(f.dtype), hs[-1]], -1)
@@ -119,7 +121,7 @@ class Eagle3Drafter(DSparkDrafter):
             if start + n != len(ctx.tokens) - 1:
                 raise RuntimeError("drafter context out of step with the request")
             fu = m.backbone.fuse(f.to(m.backbone.fc.weight.dtype))
-            e = m.embed_tokens(torch.tensor(ctx.tokens[start + 1:start + n + 1])).to(fu.dtype)
+            e = m.embed_tokens(torch.tensor(ctx.tokens[start + 1:start + n + 1], device=self.device)).to(fu.dtype)
             out = self._run(slot, torch.cat([e, fu], -1), fu, start)
             outs.append(out[-1])
         return torch.stack(outs)
@@ -159,7 +161,7 @@ class Eagle3Drafter(DSparkDrafter):
             base = self.cache.lengths[slot]
             steps = min(self.block_size, c.num_draft)
             h = h_all[i]
-            toks, probs = [], torch.zeros(steps, V)
+            toks, probs = [], torch.zeros(steps, V, device=self.device)
             for s in range(steps):
                 logits = m.base_logits(m.backbone.norm(h)[None]).float()[0]
                 p = probs_from_logits(logits, c.params)
@@ -167,7 +169,7 @@ class Eagle3Drafter(DSparkDrafter):
                 probs[s, vocab] = p
                 toks.append(int(vocab[t]))
                 if s + 1 < steps:
-                    x = torch.cat([m.embed_tokens(torch.tensor([toks[-1]])).to(h.dtype), h[None]], -1)
+                    x = torch.cat([m.embed_tokens(torch.tensor([toks[-1]], device=self.device)).to(h.dtype), h[None]], -1)
                     h = self._run(slot, x, h[None], base + s)[0]
             self.cache.truncate(slot, base)          # chain entries are temporary
             results[id(c)] = Proposal(torch.tensor(toks), probs)

@@ -23,7 +23,7 @@ draft's argmax is the target's (greedy), teacher-forced, appended to ``<out>/hel
 the number of answer positions trained on so far.
 
 Runs as is under ``torchrun --nproc_per_node N``: each rank takes its share of every batch and
-gradients are summed across ranks (gloo on CPU, nccl on GPUs).
+gradients are summed across ranks (gloo: the drafter trains on the CPU).
 """
 
 from __future__ import annotations
@@ -180,6 +180,13 @@ def sequence_loss(model: DSparkModel, seq, anchors: torch.Tensor, weights: torch
     return drafter_loss(flat_logits, ks, weights, gt, pt, pt_out, cl, ce_weight=ce_w, l1_weight=l1_w, kl_weight=kl_w)
 
 
+def cpu_bf16(model):
+    """bf16 autocast where the drafter's weights are on the CPU (training's matrix products at the
+    fast dtype, the weights and optimizer in fp32); a no-op elsewhere. Keyed on the weights, not on
+    whether the machine has a GPU: a CPU run beside an idle GPU is still a CPU run."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=next(model.parameters()).device.type == "cpu")
+
+
 @torch.no_grad()
 def heldout_signal(model: DSparkModel, seqs: list, max_anchors: int = 48) -> dict:
     """Per source and block position: mean 1 - TV(p_d, p_t) and argmax agreement, teacher-forced,
@@ -194,7 +201,7 @@ def heldout_signal(model: DSparkModel, seqs: list, max_anchors: int = 48) -> dic
             continue
         anchors = cand[torch.linspace(0, cand.numel() - 1, min(max_anchors, cand.numel())).round().long().unique()]
         L = seq.ids.shape[0]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not torch.cuda.is_available()):
+        with cpu_bf16(model):
             _, logits, _ = model.forward_train(seq.features, seq.ids, anchors)
         pos = anchors[:, None] + torch.arange(g)[None]
         ok = (pos + 1 < L) & seq.loss_mask[(pos + 1).clamp(max=L - 1)]
@@ -270,7 +277,7 @@ def _load_checkpoint(folder: Path, model, opt) -> tuple[int, list]:
 def _dist():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")     # the drafter trains on the CPU, a GPU or none beside it
     if world > 1:
         return dist.get_rank(), world
     return 0, 1
@@ -416,7 +423,7 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
             if anchors.numel() == 0:
                 continue
             step_anchors += anchors.numel()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not torch.cuda.is_available()):
+            with cpu_bf16(model):
                 loss, terms = sequence_loss(model, seq, anchors, weights, kind, loss_name)
             (loss / len(batch)).backward()
             for k, v in terms.items():
