@@ -7,6 +7,11 @@ bits when multiplied alone on the packed weight than inside the block of 40 (wha
 is for).
 
     .venv/bin/python scripts/linear_time.py --rows 1,8
+
+``--fp32``: the fp32 kernels ``linear`` chooses between instead (``F.linear`` and ``w @ x.T``, which
+``transposed_faster`` times once per shape), beside ``F.linear`` in bf16, where no packing is needed:
+
+    .venv/bin/python scripts/linear_time.py --fp32 --rows 1,8
 """
 
 import argparse
@@ -35,8 +40,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8", help="row counts, comma-separated")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fp32", action="store_true", help="time the fp32 kernels (and bf16 F.linear) instead")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.fp32:
+        return fp32_table([int(r) for r in a.rows.split(",")])
     model = load_target(dtype="bf16").model
     lw = model.layers[0]
     weights = {"qkv": lw.qkv, "o": lw.o, "gate_up": lw.gate_up, "down": lw.down, "lm_head": model.lm_head}
@@ -61,6 +69,27 @@ def main():
         block = linear(x, packed)
         differ = sum(not torch.equal(linear(x[i:i + 1], packed)[0], block[i]) for i in range(40))
         print(f"{name} {tuple(plain.shape)}: " + "; ".join(cells) + f"; rows differing alone {differ}/40")
+
+
+def fp32_table(rows_list: list[int]) -> None:
+    from dspark.runtime.linear import transposed_faster
+    model = load_target(dtype="fp32").model
+    lw = model.layers[0]
+    weights = {"qkv": lw.qkv, "o": lw.o, "gate_up": lw.gate_up, "down": lw.down, "lm_head": model.lm_head}
+    g = torch.Generator().manual_seed(0)
+    for name, w in weights.items():
+        w = dense(w).contiguous()
+        wb = w.bfloat16()
+        calls = 5 if w.shape[0] > 10000 else 50
+        cells = []
+        for rows in rows_list:
+            x = torch.randn(rows, w.shape[1], generator=g)
+            xb = x.bfloat16()
+            t = [best_us(lambda: F.linear(x, w), calls), best_us(lambda: torch.matmul(w, x.t()), calls),
+                 best_us(lambda: F.linear(xb, wb), calls)]
+            cells.append(f"{rows} rows: F.linear {t[0]:.0f} / w @ x.T {t[1]:.0f} / bf16 F.linear {t[2]:.0f} us")
+        chosen = "w @ x.T" if transposed_faster(tuple(w.shape), torch.get_num_threads()) else "F.linear"
+        print(f"{name} {tuple(w.shape)}: " + "; ".join(cells) + f"; linear() takes {chosen} for 2 - 256 rows")
 
 
 if __name__ == "__main__":
