@@ -85,8 +85,8 @@ def fp32_table(rows_list: list[int]) -> None:
         for rows in rows_list:
             x = torch.randn(rows, w.shape[1], generator=g)
             xb = x.bfloat16()
-            t = [best_us(lambda: F.linear(x, w), calls), best_us(lambda: torch.matmul(w, x.t()), calls),
-                 best_us(lambda: F.linear(xb, wb), calls)]
+            t = [best_us(lambda x=x, w=w: F.linear(x, w), calls), best_us(lambda x=x, w=w: torch.matmul(w, x.t()), calls),
+                 best_us(lambda xb=xb, wb=wb: F.linear(xb, wb), calls)]
             cells.append(f"{rows} rows: F.linear {t[0]:.0f} / w @ x.T {t[1]:.0f} / bf16 F.linear {t[2]:.0f} us")
         chosen = "w @ x.T" if transposed_faster(tuple(w.shape), torch.get_num_threads()) else "F.linear"
         print(f"{name} {tuple(w.shape)}: " + "; ".join(cells) + f"; linear() takes {chosen} for 2 - 256 rows")
