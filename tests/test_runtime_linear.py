@@ -224,3 +224,18 @@ def test_a_bf16_decoder_packs_as_decided_and_keeps_the_plain_lm_head(packing):
     assert lw.packed() is lw or not packing          # packing twice changes nothing
     fp32 = Decoder.from_hf(_tiny("llama"), dtype=torch.float32)
     assert isinstance(fp32.layers[0].qkv, torch.Tensor) and fp32._head is fp32.lm_head
+
+
+def test_an_fp32_decoder_times_its_kernel_choices_at_load():
+    from test_runtime_model import _tiny
+    L.transposed_faster.cache_clear()
+    try:
+        dec = Decoder.from_hf(_tiny("llama"), dtype=torch.float32)
+        lw = dec.layers[0]
+        shapes = {tuple(w.shape) for w in (lw.qkv, lw.o, lw.gate_up, lw.down, dec.lm_head)}
+        assert L.transposed_faster.cache_info().currsize == len(shapes)
+        L.transposed_faster.cache_clear()
+        Decoder.from_hf(_tiny("llama"), dtype=torch.bfloat16)           # bf16 has no such choice
+        assert L.transposed_faster.cache_info().currsize == 0
+    finally:
+        L.transposed_faster.cache_clear()

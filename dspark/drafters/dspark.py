@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import DsparkError, UsageError
 from ..runtime.kv_cache import KVCache
-from ..runtime.linear import Weight, linear, pack, serve_fast
+from ..runtime.linear import Weight, linear, pack, serve_fast, time_kernels
 from ..runtime.attention import SlotBatch, attend
 from ..runtime.layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
 from ..runtime.model import RopeTable
@@ -252,6 +252,7 @@ class DSparkDrafter(Drafter):
                                          k_norm=None if l.k_norm is None else l.k_norm.weight.detach())
                             for l in cast(Iterable[DrafterLayer], bb.layers)]
         self._layers = [lw.packed() for lw in self._layers]
+        time_kernels([self._fc, *(w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))])
         self._rope = RopeTable(bb.rope.inv_freq, 1.0, dt, self.device)
 
     def _forward(self, contexts: list[DraftContext], active: list[DraftContext], g: int) -> torch.Tensor | None:

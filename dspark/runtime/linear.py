@@ -172,6 +172,14 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
 FEW_ROWS = 256      # fp32 products of up to this many rows may run as ``w @ x.T`` (a verification block, a short prompt)
 
 
+def time_kernels(weights) -> None:
+    """Make the fp32 few-row kernel choice of each weight's shape now (``transposed_faster`` keeps
+    it), at load: a model's first steps then time their products, not the kernels."""
+    for w in weights:
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
+            transposed_faster(tuple(w.shape), torch.get_num_threads())
+
+
 @functools.cache
 def transposed_faster(shape: tuple[int, int], threads: int | None = None) -> bool:
     """Whether an fp32 CPU product of a few rows by a weight of this shape runs faster as ``w @ x.T``

@@ -26,7 +26,7 @@ from .compiled import CompiledForward, warm_up
 from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
 from .layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
-from .linear import Weight, linear, pack
+from .linear import Weight, linear, pack, time_kernels
 
 
 @dataclass
@@ -74,6 +74,7 @@ class Decoder:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self._head = packed_head if packed_head is not None else pack(lm_head)
+        time_kernels([w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [self._head])
         self.ropes = ropes
         self.dtype = embed.dtype
         self.device = embed.device
