@@ -31,10 +31,11 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="auto (the CLI's default), bf16 or fp32")
     ap.add_argument("--json", default=None, help="write every step here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    target = load_target(dtype="bf16")
+    target = load_target(dtype=a.dtype)
     texts = [t for d in ("humaneval", "gsm8k", "mt-bench") for t in load_prompts(d)][:a.num_prompts]
     prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     learned, steps = LearnedCosts("auto_steps", 7), []
