@@ -15,7 +15,7 @@ import torch
 from dspark.drafters.base import Proposal
 from dspark.scheduling.auto import AutoPolicy
 from dspark.scheduling.base import RequestOutcome, StepOutcome
-from dspark.scheduling.learned import LearnedCosts
+from dspark.scheduling.learned import LearnedCosts, bucket
 from dspark.scheduling.policies import make_policy
 
 BLOCK = 3
@@ -457,3 +457,21 @@ def test_new_shapes_reprice_at_most_every_few_steps(tmp_path):
         policy.observe(timed([min(BLOCK, max(0, step - BLOCK * i)) for i in range(16)]))
     assert sum(new) >= 40, f"only {sum(new)} steps of new shapes"
     assert 48 // 8 - 1 <= len(rebuilds) <= 48 // 8, len(rebuilds)      # not one rebuild a new shape
+
+
+def test_a_call_timed_for_few_requests_is_measured_again_once_the_drafter_serves_many(tmp_path, monkeypatch):
+    # while a load of 32 is measured, the lookups serve all requests but one: the call is timed for
+    # one request. When they later match for few, the drafter serves 16 and its call's price for them
+    # would be a guess at its per-request part: one more measuring step (at most ``explore_steps``
+    # more at the load) times it for several; serving 3 is close enough to what was timed
+    monkeypatch.setattr(sys.modules[__name__], "draft_s", lambda requests, depth: 0.0002 + 0.00005 * requests * depth)
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=32)
+    load = bucket(32)
+    _hybrid_steps(policy, 32, [2] * 31 + [0], 12)
+    assert policy._explored == {load: 2} and set(costs.timed) == {bucket(1)}
+    _hybrid_steps(policy, 32, [2] * 29 + [0] * 3, 6)
+    assert policy._explored == {load: 2}
+    _hybrid_steps(policy, 32, [2] * 16 + [0] * 16, 12)
+    assert 2 < policy._explored[load] <= 4
+    assert max(costs.timed) >= bucket(4)

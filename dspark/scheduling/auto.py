@@ -17,6 +17,9 @@ policy chooses may never show, so the policy runs them itself, as regular, lossl
   the whole block, the others none, and the inner policy verifies of it what pays on the
   prices known so far (the call is spent by then; verifying the whole block too would cost a heavy
   load several plain steps and teach nothing the decoding steps do not).
+  Where a lookup served all requests but one or two while a load was measured, the call was timed
+  for those only; once the drafter serves over 4 times as many, up to ``explore_steps`` more
+  measuring steps at that load time it for them.
 
 After each measuring step, after a decoding step of a shape the costs had seen only a few times at
 its load (a load's first verifying steps teach what its verification costs) once ``reprice_soon``
@@ -32,7 +35,7 @@ from collections.abc import Sequence
 
 from .base import Policy, StepOutcome
 from .costs import CostTable, table_key_for, table_path
-from .learned import LearnedCosts, bucket, learned_path, machine_id
+from .learned import LearnedCosts, bucket, centre, learned_path, machine_id
 from .load_aware import LoadAwarePolicy
 
 log = logging.getLogger("dspark")
@@ -124,7 +127,7 @@ class AutoPolicy(Policy):
             self._plain[b] = self._plain.get(b, 0) + 1
             return 0, 0
         ran = self._explored.get(b, 0)
-        if ran >= self.explore_steps:
+        if ran >= self.explore_steps and not (ran < 2 * self.explore_steps and self._outgrown(served)):
             return None
         # on a CPU a step's verification grows with the load faster than its fixed part: where
         # drafting did not pay at a lighter load, it will not at this one, and the costs priced on
@@ -149,6 +152,15 @@ class AutoPolicy(Policy):
         # cost for two sizes: a quarter, then an eighth (the drafter's call over all of a heavy
         # load's requests, its prompts' features included, costs several plain steps)
         return depth, max(1, -(-requests // (4 if ran == 0 else 8)))
+
+    def _outgrown(self, served: int) -> bool:
+        """Whether the drafter now serves over 4 times as many requests as its call was ever timed
+        for: where the load's measuring steps found a lookup serving all requests but one or two,
+        the call was timed for those, and its price for many more is a guess at its per-request
+        part (on a CPU whose verification is dear, a cheap guess drafts and verifies several steps
+        that do not pay). One more round of measuring steps at the load times it for them."""
+        most = max((centre(k) for k in self.costs.timed), default=0.0)
+        return 0 < 4 * most < served
 
     def close(self) -> None:
         """Keep what was learned for the next run (also saved every ``save_every`` steps)."""
