@@ -239,3 +239,19 @@ def test_an_fp32_decoder_times_its_kernel_choices_at_load():
         assert L.transposed_faster.cache_info().currsize == 0
     finally:
         L.transposed_faster.cache_clear()
+
+
+def test_an_fp32_dspark_drafter_times_its_kernel_choices_at_load():
+    from _tiny import tiny_drafter_model, tiny_target
+
+    from dspark.drafters.dspark import DSparkDrafter
+    target = tiny_target(dtype=torch.float32, device="cpu")
+    L.transposed_faster.cache_clear()
+    try:
+        drafter = DSparkDrafter(tiny_drafter_model(target, draft_vocab=torch.tensor([0, 2, 3])), target)
+        lw = drafter._layers[0]
+        weights = (drafter._fc, drafter.model.lm_head_packed, lw.qkv, lw.o, lw.gate_up, lw.down)
+        shapes = {tuple(w.shape) for w in weights}
+        assert L.transposed_faster.cache_info().currsize == len(shapes)
+    finally:
+        L.transposed_faster.cache_clear()

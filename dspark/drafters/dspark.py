@@ -252,7 +252,8 @@ class DSparkDrafter(Drafter):
                                          k_norm=None if l.k_norm is None else l.k_norm.weight.detach())
                             for l in cast(Iterable[DrafterLayer], bb.layers)]
         self._layers = [lw.packed() for lw in self._layers]
-        time_kernels([self._fc, *(w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))])
+        time_kernels([self._fc, self.model.lm_head_packed,
+                      *(w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))])
         self._rope = RopeTable(bb.rope.inv_freq, 1.0, dt, self.device)
 
     def _forward(self, contexts: list[DraftContext], active: list[DraftContext], g: int) -> torch.Tensor | None:
