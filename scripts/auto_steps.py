@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="auto (the CLI's default), bf16 or fp32")
+    ap.add_argument("--others", default="plain",
+                    help="the policies run beside auto, in the bench's order before it (e.g. plain,fixed)")
     ap.add_argument("--json", default=None, help="write every step here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -41,7 +43,6 @@ def main() -> int:
     learned, steps = LearnedCosts("auto_steps", 7), []
     levels = [int(x) for x in a.concurrency.split(",")]
     for c in levels:
-        plain, _ = _policy("plain", 7)
         auto, _ = _policy("auto", 7, None, learned, c)
         inner_observe = auto.observe
 
@@ -50,22 +51,36 @@ def main() -> int:
             pred = (auto.inner.cost.seconds(len(o.requests), sum(r.verified for r in o.requests), 128, len(calls),
                                             sum(calls) / max(1, len(calls)))
                     if auto.inner.cost.table is not None and o.requests else None)
-            steps.append({"concurrency": c, "requests": len(o.requests), "verified": sum(r.verified for r in o.requests),
+            steps.append({"policy": "auto", "concurrency": c, "requests": len(o.requests), "verified": sum(r.verified for r in o.requests),
                           "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
                           "predicted": pred, "decode_only": o.decode_only, "measuring": auto.measuring is not None,
                           "forward_rows": o.forward_rows, "forward_seconds": o.forward_seconds,
                           "draft_seconds": o.draft_seconds, "drafter_calls": len(calls)})
             inner_observe(o)
         auto.observe = observe
-        res = interleave([closed_loop(target, load_drafter(a.drafter, target), plain, prompts, c, a.max_new_tokens,
-                                      SamplingParams(temperature=0), 7, label="plain"),
-                          closed_loop(target, load_drafter(a.drafter, target), auto, prompts, c, a.max_new_tokens,
-                                      SamplingParams(temperature=0), 7, label="auto")])
-        print(f"concurrency {c}: plain {res[0]['total_tokens_per_second']:.1f} tok/s, auto "
-              f"{res[1]['total_tokens_per_second']:.1f} (accept length {res[1]['accept_length']:.2f}, "
-              f"{res[1]['setup_steps']} measuring steps)")
+        others = [o.strip() for o in a.others.split(",") if o.strip()]
+        loops = []
+        for name in others:
+            pol = _policy(name, 7)[0]
+
+            def record(o, c=c, name=name, base=pol.observe):
+                steps.append({"policy": name, "concurrency": c, "requests": len(o.requests),
+                              "verified": sum(r.verified for r in o.requests),
+                              "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
+                              "decode_only": o.decode_only, "forward_rows": o.forward_rows,
+                              "forward_seconds": o.forward_seconds, "draft_seconds": o.draft_seconds})
+                base(o)
+            pol.observe = record
+            loops.append(closed_loop(target, load_drafter(a.drafter, target), pol, prompts, c,
+                                     a.max_new_tokens, SamplingParams(temperature=0), 7, label=name))
+        loops.append(closed_loop(target, load_drafter(a.drafter, target), auto, prompts, c, a.max_new_tokens,
+                                 SamplingParams(temperature=0), 7, label="auto"))
+        res = interleave(loops)
+        print(f"concurrency {c}: " + ", ".join(f"{r['policy']} {r['total_tokens_per_second']:.1f} tok/s"
+                                               for r in res)
+              + f" (auto: accept length {res[-1]['accept_length']:.2f}, {res[-1]['setup_steps']} measuring steps)")
     top = max(s["requests"] for s in steps if s["concurrency"] == levels[-1])
-    last = [s for s in steps if s["concurrency"] == levels[-1] and s["decode_only"] and s["requests"] >= top - 2
+    last = [s for s in steps if s["policy"] == "auto" and s["concurrency"] == levels[-1] and s["decode_only"] and s["requests"] >= top - 2
             and s["predicted"] is not None]
     print(f"decoding steps of {top - 2}-{top} requests at concurrency {levels[-1]}: verified -> steps, measured / predicted ms;"
           " of the measured, the forward and the drafter's call (medians)")

@@ -92,13 +92,13 @@ def test_learned_costs_persist_and_a_bad_file_starts_afresh(tmp_path, caplog):
     assert not LearnedCosts.load_or_new("k", BLOCK, path).forward
 
 
-def drive(policy, n_requests, steps, accept=lambda p: 0, confidence=0.9, drafted=None):
+def drive(policy, n_requests, steps, accept=lambda p: 0, confidence=0.9, drafted=None, slow=lambda i: 1.0):
     """Run ``steps`` steps of ``n_requests`` decoding requests through the policy, timed by the
-    synthetic costs; returns the lengths each step verified (and appends to ``drafted`` the lengths
-    each step drafted)."""
+    synthetic costs (step i's times ``slow(i)`` as long: a slow spell); returns the lengths each
+    step verified (and appends to ``drafted`` the lengths each step drafted)."""
     reqs = requests(n_requests)
     plans = []
-    for _ in range(steps):
+    for i in range(steps):
         want = policy.draft_lengths(reqs, BLOCK, [0] * n_requests)
         if drafted is not None:
             drafted.append(list(want))
@@ -108,9 +108,10 @@ def drive(policy, n_requests, steps, accept=lambda p: 0, confidence=0.9, drafted
         lengths = policy.verify_lengths(reqs, props)
         plans.append(list(lengths))
         out = timed(lengths, drafted=[len(p) for p in props])
+        k = slow(i)
         out = StepOutcome(tuple(RequestOutcome(o.request_id, o.drafted, o.verified, min(o.verified, accept(o)))
-                                for o in out.requests), out.seconds, True, (), out.forward_rows,
-                          out.forward_seconds, out.draft_seconds)
+                                for o in out.requests), k * out.seconds, True, (), out.forward_rows,
+                          k * out.forward_seconds, k * out.draft_seconds)
         policy.observe(out)
     return plans
 
@@ -125,13 +126,15 @@ def test_auto_measures_the_shapes_it_lacks_then_hands_over(tmp_path):
     # policy decides
     assert drafted[:3] == [[0] * 16, [BLOCK] * 4 + [0] * 12, [BLOCK] * 2 + [0] * 14]
     assert costs.missing(16) is None and not costs.plain_missing(16)
-    assert policy._explored == {16: 2} and policy._plain == {16: 1} and policy.measuring_steps == 3
+    # and a plain step every 8 steps until three were timed at the load
+    assert drafted[9] == drafted[18] == [0] * 16 and costs.plain_samples(16) == 3
+    assert policy._explored == {16: 2} and policy._plain == {16: 3} and policy.measuring_steps == 5
     assert policy.measuring is None and policy.inner.cost.table is not None
     assert max(map(max, plans[-10:])) > 0                       # the prefix policy drafts: it pays
     # no more measuring of the drafter within a factor of 4 of the requests it was timed for (a
     # plain step where none was seen at about the load)
     drive(policy, 4, 5, drafted=drafted)
-    assert drafted[-5] == [0] * 4 and policy._plain == {16: 1, 8: 1}
+    assert drafted[-5] == [0] * 4 and policy._plain == {16: 3, 8: 1}
     drive(policy, 8, 5)
     assert policy._explored == {16: 2}
     # beyond 4 times what the drafter was timed for: it is timed there, until the search, on the
@@ -475,3 +478,27 @@ def test_a_call_timed_for_few_requests_is_measured_again_once_the_drafter_serves
     _hybrid_steps(policy, 32, [2] * 16 + [0] * 16, 12)
     assert 2 < policy._explored[load] <= 4
     assert max(costs.timed) >= bucket(4)
+
+
+def test_a_plain_step_timed_in_a_slow_spell_is_timed_again_before_drafting_rests_on_it():
+    # the first plain step at a load ran 1.6x slow (a shared machine's speed moves within minutes):
+    # priced from it alone, verifying a token a request costs no more than not, and drafting (half
+    # the first tokens accepted) looks paying where it does not, and no drafting step times plain
+    # decoding again. A plain step 8 steps later prices it as it runs, and drafting stops there.
+    R = 8
+
+    def run(**kw):
+        policy = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK), max_requests=R, **kw)
+        plans = drive(policy, R, 40, accept=lambda o: 1 - o.request_id % 2, confidence=0.5,
+                      slow=lambda i: 1.6 if i == 0 else 1.0)
+        return policy, plans
+
+    policy, plans = run()
+    assert plans[9] == [0] * R and not any(map(any, plans[10:]))
+    table = policy.costs.table(R)
+    assert table.target_seconds(R, 0, 64) == pytest.approx(forward_s(R) + rest_s(R), rel=0.02)
+    assert table.step_seconds(R, 1, 64) > 1.15 * table.target_seconds(R, 0, 64)
+    # plain decoding timed once at the load (as before): it drafts on, at a loss, until the
+    # drafting steps' own timings undo the price
+    _, plans = run(plain_samples=1)
+    assert all(map(any, plans[10:20]))

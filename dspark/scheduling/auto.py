@@ -9,7 +9,11 @@ policy chooses may never show, so the policy runs them itself, as regular, lossl
 
 - a plain step at a load it meets first (every request verifying nothing beyond its anchor): what
   drafting saves is priced against it, and a load first met drafting (a cold start at full load)
-  would otherwise price plain decoding as dear as its cheapest drafting step;
+  would otherwise price plain decoding as dear as its cheapest drafting step. Then one every
+  ``plain_every`` steps at that load until ``plain_samples`` were timed there: a plain price from
+  one step that ran in a slow spell (a shared machine's speed moves by a third within minutes)
+  makes verifying look as cheap as not, and while the policy drafts on that price no step of its
+  own times plain decoding again (a plain step costs nothing plain decoding would not);
 - the drafter's call at a new load (a policy that finds drafting dear stops drafting): until the
   drafter has been timed drafting the whole block for a number of requests within a factor of 4 of
   the current load, a quarter of the requests (then an eighth: two sizes give the call's slope;
@@ -46,11 +50,13 @@ class AutoPolicy(Policy):
 
     def __init__(self, inner: LoadAwarePolicy, costs: LearnedCosts, max_requests: int,
                  explore_steps: int = 2, reprice_every: int = 32, reprice_soon: int = 8,
-                 save_every: int = 256):
+                 save_every: int = 256, plain_samples: int = 3, plain_every: int = 8):
         self.inner = inner
         self.costs = costs
         self.max_requests = max_requests
         self.explore_steps = explore_steps
+        self.plain_samples = plain_samples
+        self.plain_every = plain_every
         self.reprice_every = reprice_every
         self.reprice_soon = reprice_soon
         self.save_every = save_every
@@ -59,6 +65,7 @@ class AutoPolicy(Policy):
         self._explored: dict[int, int] = {}    # requests bucket -> measuring steps run there
         self._pays: dict[int, bool] = {}       # requests bucket -> drafting paid at its last search
         self._plain: dict[int, int] = {}       # requests bucket -> plain steps run to measure them
+        self._since_plain: dict[int, int] = {} # requests bucket -> steps there since its last one
         self._since_price = 0
         self._since_save = 0
         self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up)
@@ -119,12 +126,16 @@ class AutoPolicy(Policy):
             return None
         b = bucket(requests)
         # a plain step first: what drafting saves is priced against it (and it costs nothing a
-        # plain decoder would not pay)
+        # plain decoder would not pay); then spaced ones, until a few were timed at this load
         first = b not in self._plain and b not in self._explored
-        if self._plain.get(b, 0) < self.explore_steps and self.costs.plain_missing(requests):
+        since = self._since_plain[b] = self._since_plain.get(b, 0) + 1
+        have = self.costs.plain_samples(requests)
+        if self._plain.get(b, 0) < self.plain_samples and (
+                have == 0 or (have < self.plain_samples and since > self.plain_every)):
             if first:
                 log.info("auto policy: measuring the step costs at %d request(s)", requests)
             self._plain[b] = self._plain.get(b, 0) + 1
+            self._since_plain[b] = 0
             return 0, 0
         ran = self._explored.get(b, 0)
         if ran >= self.explore_steps and not (ran < 2 * self.explore_steps and self._outgrown(served)):

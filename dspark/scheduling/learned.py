@@ -270,13 +270,17 @@ class LearnedCosts:
         near = [k for k in self.decode if abs(k - b) <= 2 and self.decode[k]]
         return self.decode[min(near, key=lambda k: (abs(k - b), -k))] if near else None
 
-    def plain_missing(self, requests: int) -> bool:
-        """True until a plain decoding step (nothing verified beyond the anchors) was timed at about
+    def plain_samples(self, requests: int) -> int:
+        """How many plain decoding steps (nothing verified beyond the anchors) are kept for about
         ``requests`` requests. Without one, the decoding curve there starts at the fewest tokens
         seen verified and prices a plain step as dear as that: at a load first met drafting (a cold
         start at full load), drafting would look paying and no step would ever say otherwise."""
         c = self._decode_curve(requests)
-        return c is None or bucket(1) not in c.buckets
+        return 0 if c is None else len(c.buckets.get(bucket(1), ()))
+
+    def plain_missing(self, requests: int) -> bool:
+        """True until a plain decoding step was timed at about ``requests`` requests."""
+        return self.plain_samples(requests) == 0
 
     def forward_seconds(self, requests: int, rows: float) -> float:
         """The target's forward in a decoding step of ``requests`` requests over ``rows`` rows: from
