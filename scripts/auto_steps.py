@@ -1,4 +1,5 @@
-"""Every engine step of the `auto` policy beside plain decoding, as `dspark bench concurrency
+"""Every engine step of the `auto` policy beside plain decoding (``--others``: the bench's other
+policies, e.g. plain,fixed, each step of theirs recorded too), as `dspark bench concurrency
 --fresh-costs` runs them (interleaved, one learned-cost store shared by the levels), with the seconds
 the auto policy's prices predicted for each step (context priced at 128) and what it measured.
 
@@ -42,39 +43,36 @@ def main() -> int:
     prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     learned, steps = LearnedCosts("auto_steps", 7), []
     levels = [int(x) for x in a.concurrency.split(",")]
+    others = [o.strip() for o in a.others.split(",") if o.strip()]
+
+    def recorded(policy, name, c, extra=lambda o: {}):
+        """``policy`` with every step it observes appended to ``steps`` (``extra``: more fields)."""
+        base = policy.observe
+
+        def observe(o):
+            steps.append({"policy": name, "concurrency": c, "requests": len(o.requests),
+                          "verified": sum(r.verified for r in o.requests),
+                          "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
+                          "decode_only": o.decode_only, "forward_rows": o.forward_rows,
+                          "forward_seconds": o.forward_seconds, "draft_seconds": o.draft_seconds, **extra(o)})
+            base(o)
+        policy.observe = observe
+        return policy
+
     for c in levels:
         auto, _ = _policy("auto", 7, None, learned, c)
-        inner_observe = auto.observe
 
-        def observe(o, c=c, auto=auto, inner_observe=inner_observe):
+        def priced(o, auto=auto):
+            # read before the policy observes the step (its prices then change)
             calls = [r.drafted for r in o.requests if r.drafted and not r.free]
             pred = (auto.inner.cost.seconds(len(o.requests), sum(r.verified for r in o.requests), 128, len(calls),
                                             sum(calls) / max(1, len(calls)))
                     if auto.inner.cost.table is not None and o.requests else None)
-            steps.append({"policy": "auto", "concurrency": c, "requests": len(o.requests), "verified": sum(r.verified for r in o.requests),
-                          "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
-                          "predicted": pred, "decode_only": o.decode_only, "measuring": auto.measuring is not None,
-                          "forward_rows": o.forward_rows, "forward_seconds": o.forward_seconds,
-                          "draft_seconds": o.draft_seconds, "drafter_calls": len(calls)})
-            inner_observe(o)
-        auto.observe = observe
-        others = [o.strip() for o in a.others.split(",") if o.strip()]
-        loops = []
-        for name in others:
-            pol = _policy(name, 7)[0]
-
-            def record(o, c=c, name=name, base=pol.observe):
-                steps.append({"policy": name, "concurrency": c, "requests": len(o.requests),
-                              "verified": sum(r.verified for r in o.requests),
-                              "accepted": sum(r.accepted for r in o.requests), "seconds": o.seconds,
-                              "decode_only": o.decode_only, "forward_rows": o.forward_rows,
-                              "forward_seconds": o.forward_seconds, "draft_seconds": o.draft_seconds})
-                base(o)
-            pol.observe = record
-            loops.append(closed_loop(target, load_drafter(a.drafter, target), pol, prompts, c,
-                                     a.max_new_tokens, SamplingParams(temperature=0), 7, label=name))
-        loops.append(closed_loop(target, load_drafter(a.drafter, target), auto, prompts, c, a.max_new_tokens,
-                                 SamplingParams(temperature=0), 7, label="auto"))
+            return {"predicted": pred, "measuring": auto.measuring is not None, "drafter_calls": len(calls)}
+        loops = [closed_loop(target, load_drafter(a.drafter, target), recorded(_policy(name, 7)[0], name, c), prompts,
+                             c, a.max_new_tokens, SamplingParams(temperature=0), 7, label=name) for name in others]
+        loops.append(closed_loop(target, load_drafter(a.drafter, target), recorded(auto, "auto", c, priced), prompts,
+                                 c, a.max_new_tokens, SamplingParams(temperature=0), 7, label="auto"))
         res = interleave(loops)
         print(f"concurrency {c}: " + ", ".join(f"{r['policy']} {r['total_tokens_per_second']:.1f} tok/s"
                                                for r in res)

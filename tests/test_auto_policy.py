@@ -125,7 +125,7 @@ def test_auto_measures_the_shapes_it_lacks_then_hands_over(tmp_path):
     # (the drafter's call at two sizes; the forward learns from every step), then the prefix
     # policy decides
     assert drafted[:3] == [[0] * 16, [BLOCK] * 4 + [0] * 12, [BLOCK] * 2 + [0] * 14]
-    assert costs.missing(16) is None and not costs.plain_missing(16)
+    assert costs.missing(16) is None and costs.plain_samples(16) > 0
     # and a plain step every 8 steps until three were timed at the load
     assert drafted[9] == drafted[18] == [0] * 16 and costs.plain_samples(16) == 3
     assert policy._explored == {16: 2} and policy._plain == {16: 3} and policy.measuring_steps == 5
@@ -161,7 +161,7 @@ def test_a_cold_start_at_full_load_prices_plain_decoding_as_it_ran(tmp_path):
     blind.observe(timed([], prefill=R * 20))
     for d in drafted[1:]:
         blind.observe(timed([min(1, n) for n in d], drafted=d))
-    assert blind.plain_missing(R) and blind.table(R).target_seconds(R, 0, 64) > 1.05 * (forward_s(R) + rest_s(R))
+    assert blind.plain_samples(R) == 0 and blind.table(R).target_seconds(R, 0, 64) > 1.05 * (forward_s(R) + rest_s(R))
 
 
 def test_auto_measuring_is_bounded_when_a_shape_never_comes(tmp_path):

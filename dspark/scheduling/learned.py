@@ -278,10 +278,6 @@ class LearnedCosts:
         c = self._decode_curve(requests)
         return 0 if c is None else len(c.buckets.get(bucket(1), ()))
 
-    def plain_missing(self, requests: int) -> bool:
-        """True until a plain decoding step was timed at about ``requests`` requests."""
-        return self.plain_samples(requests) == 0
-
     def forward_seconds(self, requests: int, rows: float) -> float:
         """The target's forward in a decoding step of ``requests`` requests over ``rows`` rows: from
         the decoding steps seen at the nearest load within ~40 % (two buckets), by the tokens
