@@ -343,7 +343,11 @@ class Engine:
         if not self.running:
             return []
         self.num_steps += 1
-        decode = [r for r in self.running if r.ctx is not None]
+        # in slot order: the decoding rows then fill their range of slots in order, which the batched
+        # attention reads in place (runtime/attention.py SlotBatch.dense) instead of gathering and
+        # scattering them in every layer; a request admitted into a freed slot joins the running
+        # list at its end, so that arrival order would lose this once requests end apart
+        decode = sorted((r for r in self.running if r.ctx is not None), key=lambda r: cast(int, r.slot))
         prefill = [r for r in self.running if r.ctx is None]
         proposals, drafted = self._draft(decode)
         ended = [r for r in decode if r.done]      # its drafting failed: it ended alone

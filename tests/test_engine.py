@@ -215,6 +215,33 @@ def test_full_cache_queues_instead_of_failing():
     assert engine.cache.num_free == 2
 
 
+def test_decoding_rows_follow_slot_order_when_requests_end_apart():
+    """Requests that end apart hand their slots to newcomers that join the running list at its
+    end; the step still lays the decoding rows out in slot order (what the batched attention
+    reads in place), and every request gets what it would alone."""
+    target = _tiny(0, vocab=11)
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def __call__(self, ids, segments, cache, **kw):
+            seen.append([slot for slot, n in segments if n == 1])
+            return target(ids, segments, cache, **kw)
+
+    engine = Engine(Spy(), max_requests=4, max_len=40)
+    lengths = [3, 9, 5, 12, 7, 4, 10, 6]
+    prompts = [[1 + i % 5, 2, 3 + i % 3] for i in range(len(lengths))]
+    reqs = [engine.add_request(p, GREEDY, n) for p, n in zip(prompts, lengths)]
+    engine.run()
+    assert any(r.slot is None for r in reqs) and all(r.status == "finished" for r in reqs)
+    assert all(rows == sorted(rows) for rows in seen)
+    assert any(len(rows) >= 3 for rows in seen)
+    for p, n, r in zip(prompts, lengths, reqs):
+        assert r.output_ids == generate_ids(target, p, GREEDY, n, None)[0]
+
+
 def test_request_larger_than_a_slot_is_refused():
     engine = Engine(_tiny(0, vocab=11), max_requests=1, max_len=16)
     with pytest.raises(UsageError):
