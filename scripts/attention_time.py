@@ -1,7 +1,9 @@
 """One layer's attention of R segments of N new rows each against C cached keys (SmolLM2's heads:
 9 query heads, 3 KV heads of 64), per segment (``attend``, one call each) and batched over the
-slots (``SlotBatch``), in one process; best of 5 timings of a loop of calls (a microbenchmark: the
-cache stays warm). Also the largest difference between the two paths' outputs.
+slots (``SlotBatch``), with the rows in slot order (read in place) and with one segment's rows laid
+out last (gathered and scattered, as when a request joins the running list in a freed slot), in one
+process; best of 5 timings of a loop of calls (a microbenchmark: the cache stays warm). Also the
+largest difference between the paths' outputs.
 
     .venv/bin/python scripts/attention_time.py --shapes 1x1,4x1,4x2,32x1,32x2 --context 256
 """
@@ -52,7 +54,20 @@ def main():
             continue
         batched()
         diff = (out - ref).abs().max().item()
-        print(line + f", batched {best_us(batched, a.calls):.0f} us (max difference {diff:.1e})")
+        line += f", batched {best_us(batched, a.calls):.0f} us (max difference {diff:.1e})"
+        # the same segments with the first one's rows laid out last
+        order = list(range(1, R)) + [0]
+        rows = torch.cat([torch.arange(i * n, (i + 1) * n) for i in order])
+        moved = SlotBatch.of([(i, n) for i in order], [starts[i] for i in order], [j * n for j in range(R)], "cpu")
+        assert moved is not None and moved.dense is None   # R >= 2 segments, not in slot order
+        qm = q[rows].contiguous()
+
+        def batched_moved():
+            moved.attend(qm, kc, vc, None, out)
+
+        batched_moved()
+        diff = (out - ref[rows]).abs().max().item()
+        print(line + f", out of slot order {best_us(batched_moved, a.calls):.0f} us (max difference {diff:.1e})")
 
 
 if __name__ == "__main__":
