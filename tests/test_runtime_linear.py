@@ -223,7 +223,41 @@ def test_a_bf16_decoder_packs_as_decided_and_keeps_the_plain_lm_head(packing):
     assert isinstance(dec.lm_head, torch.Tensor) and isinstance(dec._head, L.PackedWeight) == packing
     assert lw.packed() is lw or not packing          # packing twice changes nothing
     fp32 = Decoder.from_hf(_tiny("llama"), dtype=torch.float32)
-    assert isinstance(fp32.layers[0].qkv, torch.Tensor) and fp32._head is fp32.lm_head
+    assert isinstance(fp32.layers[0].qkv, torch.Tensor)
+    assert fp32._head is fp32.lm_head or fp32._head.plain is fp32.lm_head     # fp32: the head, if timed faster
+
+
+@pytest.mark.parametrize("faster", ["0", "1"])
+def test_an_fp32_head_is_packed_where_timed_faster_and_keeps_its_plain_rows(monkeypatch, faster):
+    """The fp32 LM head packed (as forced) computes the product within fp32 rounding; batch-invariant
+    products run on its plain tensor, as they do on an unpacked head (F.linear's bits)."""
+    monkeypatch.setenv("DSPARK_PACKED_FP32", faster)
+    L.packed_faster.cache_clear()
+    try:
+        from test_runtime_model import _tiny
+        dec = Decoder.from_hf(_tiny("llama"), dtype=torch.float32)
+        packed = faster == "1" and L.fp32_packing_available()
+        assert isinstance(dec._head, L.PackedWeight) == packed
+        x = _data(5, dec.lm_head.shape[1]).float()
+        assert torch.allclose(L.linear(x, dec._head), F.linear(x, dec.lm_head), rtol=1e-4, atol=1e-4)
+        assert torch.equal(L.linear(x, dec._head, rows_alike=True), F.linear(x, dec.lm_head))
+        assert torch.equal(L.dense(dec._head), dec.lm_head)
+        dec.batch_invariant = True
+        assert torch.equal(dec.compute_logits(x), F.linear(x, dec.lm_head))
+        w = torch.randn(8, 4).bfloat16()
+        assert isinstance(L.pack_head(w), L.PackedWeight) == isinstance(L.pack(w), L.PackedWeight)   # bf16: as pack
+    finally:
+        L.packed_faster.cache_clear()
+
+
+def test_the_fp32_packing_choice_is_timed_once_per_shape():
+    L.packed_faster.cache_clear()
+    try:
+        assert isinstance(L.packed_faster((64, 32), 1), bool)
+        L.packed_faster((64, 32), 1)
+        assert L.packed_faster.cache_info().misses == 1 and L.packed_faster.cache_info().hits == 1
+    finally:
+        L.packed_faster.cache_clear()
 
 
 def test_an_fp32_decoder_times_its_kernel_choices_at_load():

@@ -14,7 +14,14 @@ the same bits whatever the batch, and other products take any number of rows at 
 Intel Xeon VM with AMX, oneDNN switches kernels from 33 rows on; on the AMD EPYC VM no count up to
 the 160 checked differs.)
 
-Where packing is not available (another device, a torch without oneDNN, fp32 models, a probe that
+An fp32 LM head is packed too where, timed once per shape, packed products of 8 and of 16 rows run
+faster than the dense path (``pack_head``; on the AVX2 AMD EPYC VM a 49,152-row head takes 14 ms instead
+of 21 at 8 rows and 18 instead of 35 at 16). Its head is the one fp32 weight worth it: computed for
+every row a step verifies, it dwarfs the layers' weights, and the vocabulary makes it the product
+furthest from streaming speed. oneDNN's fp32 kernels round otherwise than ``F.linear``, so a packed
+fp32 weight keeps its plain tensor, on which the batch-invariant mode's products run.
+
+Where packing is not available (another device, a torch without oneDNN, fp32 layers, a probe that
 disagrees, ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
 path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, as measured faster on
 the 2-core Xeon VM; a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is
@@ -41,16 +48,19 @@ class PackedWeight(torch.nn.Module):
 
     packed: torch.Tensor
 
-    def __init__(self, w: torch.Tensor, alike: int | None = None):
+    def __init__(self, w: torch.Tensor, alike: int | None = None, plain: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None),
                              persistent=False)
         self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
         # rows_alike products run in chunks of at most this many rows (None: any number)
         self.alike = alike
+        # the plain tensor, kept where packed products do not give F.linear's bits (fp32): rows_alike
+        # products run on it
+        self.plain = plain
 
     def dense(self) -> torch.Tensor:
-        return self.packed.to_dense()
+        return self.plain if self.plain is not None else self.packed.to_dense()
 
     def __repr__(self) -> str:
         return f"PackedWeight({tuple(self.shape)}, {self.dtype})"
@@ -125,6 +135,66 @@ def pack(w: Weight | None) -> Weight | None:
     return w
 
 
+def pack_head(w: torch.Tensor) -> Weight:
+    """An fp32 CPU LM head packed (keeping its plain tensor) where packed products of a few rows are
+    timed faster than the dense path (``packed_faster``), else ``w``; other weights go to ``pack``."""
+    if not (w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"):
+        return pack(w)
+    if fp32_packing_available() and packed_faster(tuple(w.shape), torch.get_num_threads()):
+        return PackedWeight(w, plain=w)
+    return w
+
+
+@functools.cache
+def fp32_packing_available() -> bool:
+    """Whether this torch packs fp32 CPU linears through oneDNN, their products within fp32 rounding
+    of ``F.linear``'s (not its bits: see ``pack_head``)."""
+    if os.environ.get("DSPARK_PACKED_LINEAR", "1") == "0":
+        return False
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(96, 80, generator=g)
+        p = PackedWeight(w, plain=w)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 80, generator=g)
+            if not torch.allclose(linear(x, p), F.linear(x, w), rtol=1e-4, atol=1e-4):
+                return False
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):   # an op missing from this torch build
+        return False
+
+
+@functools.cache
+def packed_faster(shape: tuple[int, int], threads: int | None = None) -> bool:
+    """Whether packed fp32 products of 8 and of 16 rows by a weight of this shape (a step's decoding
+    rows; the same with a token verified each) both run in at most 0.9 of the dense path's time,
+    timed once per shape (and thread count), the best of 3 runs each. ``DSPARK_PACKED_FP32`` = 0 or 1
+    forces the answer."""
+    del threads     # part of the cache key: the timing is per thread count
+    if os.environ.get("DSPARK_PACKED_FP32") in ("0", "1"):
+        return os.environ["DSPARK_PACKED_FP32"] == "1"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g)
+    p = PackedWeight(w, plain=w)
+    for x in (torch.randn(rows, shape[1], generator=g) for rows in (8, 16)):
+        if _best(lambda x=x: linear(x, p)) > 0.9 * _best(lambda x=x: linear(x, w)):
+            return False
+    return True
+
+
+def _best(f) -> float:
+    """The best of 3 timings of ``f`` after one call."""
+    f()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
 def dense(w: Weight) -> torch.Tensor:
     """The plain tensor of a weight, packed or not."""
     return w.dense() if isinstance(w, PackedWeight) else w
@@ -145,6 +215,8 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
     if rows_alike:
         x = x.contiguous()
     if isinstance(w, PackedWeight):     # x in the weight's dtype, as for F.linear
+        if rows_alike and w.plain is not None:
+            return F.linear(x, w.plain, b)
         if not rows_alike:
             return _packed_product(x, w, b)
         if w.alike is not None and x.shape[0] > w.alike:
@@ -193,17 +265,8 @@ def transposed_faster(shape: tuple[int, int], threads: int | None = None) -> boo
     w = torch.randn(shape, generator=g)
     x = torch.randn(8, shape[1], generator=g)
 
-    def best(f) -> float:
-        f()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    plain = best(lambda: F.linear(x, w))
-    flipped = best(lambda: torch.matmul(w, x.t()))
+    plain = _best(lambda: F.linear(x, w))
+    flipped = _best(lambda: torch.matmul(w, x.t()))
     return flipped < 0.9 * plain
 
 

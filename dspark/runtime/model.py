@@ -26,7 +26,7 @@ from .compiled import CompiledForward, warm_up
 from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
 from .layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
-from .linear import Weight, linear, pack, time_kernels
+from .linear import Weight, linear, pack_head, time_kernels
 
 
 @dataclass
@@ -68,12 +68,13 @@ class Decoder:
                  final_norm: torch.Tensor, lm_head: torch.Tensor, ropes: dict, packed_head: Weight | None = None):
         self.config = config
         self.embed = embed
-        # bf16 on a CPU: the products' weights packed once (runtime/linear.py); the LM head also
-        # stays plain in ``lm_head`` (the embedding when tied; the trained drafters share it)
+        # bf16 on a CPU: the products' weights packed once (runtime/linear.py); fp32: the LM head where
+        # packed products are timed faster. The LM head also stays plain in ``lm_head`` (the
+        # embedding when tied; the trained drafters share it)
         self.layers = [lw.packed() for lw in layers]
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self._head = packed_head if packed_head is not None else pack(lm_head)
+        self._head = packed_head if packed_head is not None else pack_head(lm_head)
         time_kernels([w for lw in self.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [self._head])
         self.ropes = ropes
         self.dtype = embed.dtype
