@@ -72,19 +72,35 @@ Weight = torch.Tensor | PackedWeight
 @functools.cache
 def packing_available() -> bool:
     """Whether this torch packs bf16 CPU linears through oneDNN with exactly ``F.linear``'s bits."""
+    return _packs(torch.bfloat16)
+
+
+@functools.cache
+def fp32_packing_available() -> bool:
+    """Whether this torch packs fp32 CPU linears through oneDNN, their products within fp32 rounding
+    of ``F.linear``'s (not its bits: see ``pack_head``)."""
+    return _packs(torch.float32)
+
+
+def _packs(dtype: torch.dtype) -> bool:
+    """A probe of packed products in ``dtype`` against ``F.linear``: the same bits for bf16, within
+    fp32 rounding for fp32 (whose packed weights keep their plain tensor)."""
     if os.environ.get("DSPARK_PACKED_LINEAR", "1") == "0":
         return False
     try:
         if not torch.backends.mkldnn.is_available():
             return False
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(96, 80, generator=g).bfloat16()
-        b = torch.randn(96, generator=g).bfloat16()
-        p = PackedWeight(w)
+        w = torch.randn(96, 80, generator=g).to(dtype)
+        b = torch.randn(96, generator=g).to(dtype)
+        p = PackedWeight(w) if dtype == torch.bfloat16 else PackedWeight(w, plain=w)
         for rows in (1, 3, 17):
-            x = torch.randn(rows, 80, generator=g).bfloat16()
-            if not (torch.equal(linear(x, p), F.linear(x, w)) and torch.equal(linear(x, p, b), F.linear(x, w, b))):
-                return False
+            x = torch.randn(rows, 80, generator=g).to(dtype)
+            for bias in (None, b):
+                got, want = linear(x, p, bias), F.linear(x, w, bias)
+                if not (torch.equal(got, want) if dtype == torch.bfloat16
+                        else torch.allclose(got, want, rtol=1e-4, atol=1e-4)):
+                    return False
         return True
     except (RuntimeError, AttributeError, NotImplementedError):   # an op missing from this torch build
         return False
@@ -143,27 +159,6 @@ def pack_head(w: torch.Tensor) -> Weight:
     if fp32_packing_available() and packed_faster(tuple(w.shape), torch.get_num_threads()):
         return PackedWeight(w, plain=w)
     return w
-
-
-@functools.cache
-def fp32_packing_available() -> bool:
-    """Whether this torch packs fp32 CPU linears through oneDNN, their products within fp32 rounding
-    of ``F.linear``'s (not its bits: see ``pack_head``)."""
-    if os.environ.get("DSPARK_PACKED_LINEAR", "1") == "0":
-        return False
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(96, 80, generator=g)
-        p = PackedWeight(w, plain=w)
-        for rows in (1, 3, 17):
-            x = torch.randn(rows, 80, generator=g)
-            if not torch.allclose(linear(x, p), F.linear(x, w), rtol=1e-4, atol=1e-4):
-                return False
-        return True
-    except (RuntimeError, AttributeError, NotImplementedError):   # an op missing from this torch build
-        return False
 
 
 @functools.cache
