@@ -15,10 +15,9 @@ Intel Xeon VM with AMX, oneDNN switches kernels from 33 rows on; on the AMD EPYC
 the 160 checked differs.)
 
 An fp32 LM head is packed too where, timed once per shape, packed products of 8 and of 16 rows run
-faster than the dense path (``pack_head``; on the AVX2 AMD EPYC VM a 49,152-row head takes 14 ms instead
-of 21 at 8 rows and 18 instead of 35 at 16). Its head is the one fp32 weight worth it: computed for
-every row a step verifies, it dwarfs the layers' weights, and the vocabulary makes it the product
-furthest from streaming speed. oneDNN's fp32 kernels round otherwise than ``F.linear``, so a packed
+faster than the dense path (``pack_head``; docs/speed.md has the forwards before and after). The head
+is the one fp32 weight packed: computed for every row a step verifies, it dwarfs the layers'
+weights, and the vocabulary makes it the product furthest from streaming speed. oneDNN's fp32 kernels round otherwise than ``F.linear``, so a packed
 fp32 weight keeps its plain tensor, on which the batch-invariant mode's products run.
 
 Where packing is not available (another device, a torch without oneDNN, fp32 layers, a probe that
