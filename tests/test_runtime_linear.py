@@ -1,9 +1,10 @@
 """runtime/linear.py: the contract of few-row products on any CPU, with packing taken and declined.
 
 What the guarantees need from ``linear``, and so what these tests check: a row's bits do not depend
-on how many rows share the product where batch invariance is promised (``rows_alike``); fp32
-weights are never packed, and their products are ``F.linear``'s or ``w @ x.T``'s (whichever was
-timed faster for the shape: both are tested, forced); a packed weight computes its dense tensor's product
+on how many rows share the product where batch invariance is promised (``rows_alike``); plain fp32
+weights' products are ``F.linear``'s or ``w @ x.T``'s (whichever was timed faster for the shape: both
+are tested, forced), packed fp32 weights' batch-invariant products ``F.linear``'s bits; a packed
+weight computes its dense tensor's product
 (up to bf16 rounding: bit equality with ``F.linear`` is not a guarantee). Whether this CPU packs is
 a hardware matter: the decision is tested with packing forced on and off, never for being taken
 on the machine at hand.
@@ -223,7 +224,7 @@ def test_a_bf16_decoder_packs_as_decided_and_keeps_the_plain_lm_head(packing):
     assert isinstance(dec.lm_head, torch.Tensor) and isinstance(dec._head, L.PackedWeight) == packing
     assert lw.packed() is lw or not packing          # packing twice changes nothing
     fp32 = Decoder.from_hf(_tiny("llama"), dtype=torch.float32)
-    assert isinstance(fp32.layers[0].qkv, torch.Tensor)
+    assert isinstance(fp32.layers[0].qkv, L.PackedWeight) == L.fp32_packing_available()
     assert fp32._head is fp32.lm_head or fp32._head.plain is fp32.lm_head     # fp32: the head, if timed faster
 
 
@@ -260,8 +261,42 @@ def test_the_fp32_packing_choice_is_timed_once_per_shape():
         L.packed_faster.cache_clear()
 
 
-def test_an_fp32_decoder_times_its_kernel_choices_at_load():
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_fp32_layers_pack_where_oneDNN_packs_fp32_and_keep_exact_rows(monkeypatch, packed):
+    """A target's fp32 layers packed (unless ``DSPARK_PACKED_FP32=0``) compute their products within
+    fp32 rounding and their dense tensors exactly; batch-invariant products get ``F.linear``'s bits,
+    from a plain tensor made once; a decoder in that mode gives the unpacked decoder's bits."""
     from test_runtime_model import _tiny
+    monkeypatch.setenv("DSPARK_PACKED_FP32", packed)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    p = L.pack(w, fp32=True)
+    assert L.pack(w) is w                                       # only where asked (a target's layers)
+    assert isinstance(p, L.PackedWeight) == (packed == "1" and L.fp32_packing_available())
+    if isinstance(p, L.PackedWeight):
+        assert p.plain is None and torch.equal(L.dense(p), w)   # no second copy kept while serving
+        for rows in (1, 3, 64):
+            x = torch.randn(rows, 80, generator=g)
+            assert torch.allclose(L.linear(x, p, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+            assert torch.equal(L.linear(x, p, b, rows_alike=True), F.linear(x, w, b))
+        assert p.plain is not None and p.exact() is p.plain    # made once, then kept
+    hf = _tiny("llama")
+    dec = Decoder.from_hf(hf, dtype=torch.float32)
+    monkeypatch.setenv("DSPARK_PACKED_FP32", "0")
+    ref = Decoder.from_hf(hf, dtype=torch.float32)
+    assert isinstance(ref.layers[0].gate_up, torch.Tensor)
+    dec.batch_invariant = ref.batch_invariant = True
+    ids = torch.randint(0, hf.config.vocab_size, (9,), generator=g)
+    logits = []
+    for d in (dec, ref):
+        cache = d.new_cache(1, 16)
+        logits.append(d(ids, [(cache.allocate(), 9)], cache, logits_rows="all").logits)
+    assert torch.equal(*logits)
+
+
+def test_an_fp32_decoder_times_its_kernel_choices_at_load(monkeypatch):
+    from test_runtime_model import _tiny
+    monkeypatch.setenv("DSPARK_PACKED_FP32", "0")     # every fp32 weight plain: each shape has a choice
     L.transposed_faster.cache_clear()
     try:
         dec = Decoder.from_hf(_tiny("llama"), dtype=torch.float32)

@@ -186,7 +186,9 @@ def test_drafter_started_from_a_target_layer_computes_that_layer():
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     with torch.no_grad():
         got = model.backbone(model.embed_tokens(ids), torch.arange(n), [(empty, empty)], causal)
-    assert torch.allclose(got, want, atol=1e-4)
+    # within fp32 rounding of the largest value (the runtime's fp32 products may be packed); weights
+    # copied out of order are off by the values' own size
+    assert torch.allclose(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))
     with pytest.raises(ValueError, match="2 target layers for 1 drafter layers"):
         init_from_target(model.backbone, target.layers[:2])
 

@@ -50,9 +50,10 @@ class LayerWeights:
     rope: str = "default"                     # which RoPE table this layer uses
     window: int | None = None                 # sliding-window length, None = full attention
 
-    def packed(self) -> LayerWeights:
-        """The same layer with its four products' weights packed (runtime/linear.py)."""
-        new = {name: pack(getattr(self, name)) for name in ("qkv", "o", "gate_up", "down")}
+    def packed(self, fp32: bool = False) -> LayerWeights:
+        """The same layer with its four products' weights packed (runtime/linear.py; ``fp32``: an
+        fp32 layer's too, as a target's are)."""
+        new = {name: pack(getattr(self, name), fp32) for name in ("qkv", "o", "gate_up", "down")}
         if all(w is getattr(self, name) for name, w in new.items()):
             return self
         return replace(self, **new)

@@ -14,14 +14,17 @@ the same bits whatever the batch, and other products take any number of rows at 
 Intel Xeon VM with AMX, oneDNN switches kernels from 33 rows on; on the AMD EPYC VM no count up to
 the 160 checked differs.)
 
-An fp32 LM head is packed too where, timed once per shape, packed products of 8 and of 16 rows run
-faster than the dense path (``pack_head``; docs/speed.md has the forwards before and after). The head
-is the one fp32 weight packed: computed for every row a step verifies, it dwarfs the layers'
-weights, and the vocabulary makes it the product furthest from streaming speed. oneDNN's fp32 kernels round otherwise than ``F.linear``, so a packed
-fp32 weight keeps its plain tensor, on which the batch-invariant mode's products run.
+fp32 weights are packed as well where oneDNN packs them (``fp32_packing_available``): a target's
+layers (``pack(w, fp32=True)``) always, since whole forwards run faster with them packed at every
+load measured, from prefill to decoding (docs/speed.md; timed one product at a time, the small
+layers show no gain, their weights staying in the caches); its LM head (``pack_head``) where,
+timed once per shape, packed products of 8 and of 16 rows run faster than the dense path.
+``DSPARK_PACKED_FP32=0`` keeps every fp32 weight plain. oneDNN's fp32 kernels round otherwise than
+``F.linear``, so the batch-invariant mode's products run on the plain tensor: the head keeps it
+(it is the model's own ``lm_head``), a layer makes it on the first such product.
 
-Where packing is not available (another device, a torch without oneDNN, fp32 layers, a probe that
-disagrees, ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
+Where packing is not available (another device, a torch without oneDNN, a probe that disagrees,
+``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
 path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, as measured faster on
 the 2-core Xeon VM; a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is
 faster than ``F.linear`` (``transposed_faster``: on a CPU with AVX2 alone, several times for a large
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 
 
 class PackedWeight(torch.nn.Module):
-    """A 2-D bf16 weight ``[out, in]`` in oneDNN's packed layout (opaque: use ``linear`` on it, or
+    """A 2-D bf16 or fp32 weight ``[out, in]`` in oneDNN's packed layout (opaque: use ``linear`` on it, or
     ``dense()`` for the plain tensor, which re-lays it out: not for the hot path). A module holding
     the packed tensor as a buffer, so that a compiled forward reached through it takes the tensor as
     a frozen constant (runtime/compiled.py)."""
@@ -54,12 +57,18 @@ class PackedWeight(torch.nn.Module):
         self.shape, self.dtype, self.device = w.shape, w.dtype, w.device
         # rows_alike products run in chunks of at most this many rows (None: any number)
         self.alike = alike
-        # the plain tensor, kept where packed products do not give F.linear's bits (fp32): rows_alike
-        # products run on it
+        # fp32: the plain tensor, on which rows_alike products run (packed products do not give
+        # F.linear's bits); given (the LM head, kept plain anyway) or made at the first such product
         self.plain = plain
 
     def dense(self) -> torch.Tensor:
         return self.plain if self.plain is not None else self.packed.to_dense()
+
+    def exact(self) -> torch.Tensor:
+        """The plain tensor, kept from now on (an fp32 weight in batch-invariant mode)."""
+        if self.plain is None:
+            self.plain = self.packed.to_dense()
+        return self.plain
 
     def __repr__(self) -> str:
         return f"PackedWeight({tuple(self.shape)}, {self.dtype})"
@@ -92,7 +101,7 @@ def _packs(dtype: torch.dtype) -> bool:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(96, 80, generator=g).to(dtype)
         b = torch.randn(96, generator=g).to(dtype)
-        p = PackedWeight(w) if dtype == torch.bfloat16 else PackedWeight(w, plain=w)
+        p = PackedWeight(w)
         for rows in (1, 3, 17):
             x = torch.randn(rows, 80, generator=g).to(dtype)
             for bias in (None, b):
@@ -136,12 +145,17 @@ def rows_alike_limit(shape: tuple[int, int]) -> int | None:
 
 
 @overload
-def pack(w: Weight) -> Weight: ...
+def pack(w: Weight, fp32: bool = False) -> Weight: ...
 @overload
-def pack(w: Weight | None) -> Weight | None: ...
-def pack(w: Weight | None) -> Weight | None:
+def pack(w: Weight | None, fp32: bool = False) -> Weight | None: ...
+def pack(w: Weight | None, fp32: bool = False) -> Weight | None:
     """``w`` packed for ``linear`` where that is available (bf16, CPU, 2-D) and its kernels keep
-    rows alike up to at least ``MIN_ALIKE_ROWS`` rows, else ``w``."""
+    rows alike up to at least ``MIN_ALIKE_ROWS`` rows, else ``w``. ``fp32``: an fp32 weight too
+    (a target's layers), where oneDNN packs fp32 and ``DSPARK_PACKED_FP32`` is not 0."""
+    if (fp32 and isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
+            and w.device.type == "cpu" and os.environ.get("DSPARK_PACKED_FP32") != "0"
+            and fp32_packing_available()):
+        return PackedWeight(w)
     if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
             and w.device.type == "cpu" and packing_available()):
         limit = rows_alike_limit(tuple(w.shape))
@@ -209,8 +223,8 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
     if rows_alike:
         x = x.contiguous()
     if isinstance(w, PackedWeight):     # x in the weight's dtype, as for F.linear
-        if rows_alike and w.plain is not None:
-            return F.linear(x, w.plain, b)
+        if rows_alike and w.dtype == torch.float32:
+            return F.linear(x, w.exact(), b)
         if not rows_alike:
             return _packed_product(x, w, b)
         if w.alike is not None and x.shape[0] > w.alike:

@@ -68,10 +68,10 @@ class Decoder:
                  final_norm: torch.Tensor, lm_head: torch.Tensor, ropes: dict, packed_head: Weight | None = None):
         self.config = config
         self.embed = embed
-        # bf16 on a CPU: the products' weights packed once (runtime/linear.py); fp32: the LM head where
-        # packed products are timed faster. The LM head also stays plain in ``lm_head`` (the
+        # on a CPU, the products' weights packed once (runtime/linear.py; an fp32 LM head where
+        # packed products are timed faster). The LM head also stays plain in ``lm_head`` (the
         # embedding when tied; the trained drafters share it)
-        self.layers = [lw.packed() for lw in layers]
+        self.layers = [lw.packed(fp32=True) for lw in layers]
         self.final_norm = final_norm
         self.lm_head = lm_head
         self._head = packed_head if packed_head is not None else pack_head(lm_head)
