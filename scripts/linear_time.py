@@ -9,7 +9,7 @@ is for).
     .venv/bin/python scripts/linear_time.py --rows 1,8
 
 ``--fp32``: the fp32 kernels ``linear`` chooses between instead (``F.linear`` and ``w @ x.T``, which
-``transposed_faster`` times once per shape), beside ``F.linear`` in bf16, where no packing is needed:
+``transposed_faster`` times once per shape, and the packed fp32 weight), beside ``F.linear`` in bf16:
 
     .venv/bin/python scripts/linear_time.py --fp32 --rows 1,8
 """
@@ -79,15 +79,16 @@ def fp32_table(rows_list: list[int]) -> None:
     g = torch.Generator().manual_seed(0)
     for name, w in weights.items():
         w = dense(w).contiguous()
-        wb = w.bfloat16()
+        wb, p = w.bfloat16(), PackedWeight(w)
         calls = 5 if w.shape[0] > 10000 else 50
         cells = []
         for rows in rows_list:
             x = torch.randn(rows, w.shape[1], generator=g)
             xb = x.bfloat16()
             t = [best_us(lambda x=x, w=w: F.linear(x, w), calls), best_us(lambda x=x, w=w: torch.matmul(w, x.t()), calls),
-                 best_us(lambda xb=xb, wb=wb: F.linear(xb, wb), calls)]
-            cells.append(f"{rows} rows: F.linear {t[0]:.0f} / w @ x.T {t[1]:.0f} / bf16 F.linear {t[2]:.0f} us")
+                 best_us(lambda x=x, p=p: linear(x, p), calls), best_us(lambda xb=xb, wb=wb: F.linear(xb, wb), calls)]
+            cells.append(f"{rows} rows: F.linear {t[0]:.0f} / w @ x.T {t[1]:.0f} / packed {t[2]:.0f} / "
+                         f"bf16 F.linear {t[3]:.0f} us")
         chosen = "w @ x.T" if transposed_faster(tuple(w.shape), torch.get_num_threads()) else "F.linear"
         print(f"{name} {tuple(w.shape)}: " + "; ".join(cells) + f"; linear() takes {chosen} for 2 - 256 rows")
 
