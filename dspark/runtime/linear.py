@@ -92,7 +92,7 @@ def fp32_packing_available() -> bool:
 
 def _packs(dtype: torch.dtype) -> bool:
     """A probe of packed products in ``dtype`` against ``F.linear``: the same bits for bf16, within
-    fp32 rounding for fp32 (whose packed weights keep their plain tensor)."""
+    fp32 rounding for fp32 (whose batch-invariant products run on the plain tensor instead)."""
     if os.environ.get("DSPARK_PACKED_LINEAR", "1") == "0":
         return False
     try:
