@@ -33,6 +33,9 @@ CASES = {
     "blocks of one length": ([(0, 3), (1, 3)], [10, 12]),
     "ragged blocks, a free slot among them": ([(0, 1), (2, 7), (3, 2)], [9, 14, 3]),
     "slots out of row order": ([(3, 2), (1, 1), (2, 4)], [8, 22, 11]),
+    # slots spread over more than twice their number: gathered
+    "spread decoding rows": ([(0, 1), (9, 1)], [5, 30]),
+    "spread blocks, out of row order": ([(11, 3), (2, 2), (7, 1)], [6, 17, 25]),
 }
 
 
@@ -41,29 +44,36 @@ CASES = {
 def test_equals_per_segment_attention(case, window):
     segments, starts = CASES[case]
     g = torch.Generator().manual_seed(hash(case) % 1000)
-    kc = torch.randn(4, HKV, MAX_LEN, HD, generator=g)
-    vc = torch.randn(4, HKV, MAX_LEN, HD, generator=g)
+    kc = torch.randn(12, HKV, MAX_LEN, HD, generator=g)
+    vc = torch.randn(12, HKV, MAX_LEN, HD, generator=g)
     n_total = sum(n for _, n in segments)
     qs = torch.randn(n_total, H, HD, generator=g)
     row_starts = [sum(n for _, n in segments[:i]) for i in range(len(segments))]
     batch = SlotBatch.of(segments, starts, row_starts, "cpu")
     assert batch is not None and batch.members == frozenset(range(len(segments)))
+    # in place where the slots are compact; spread ones are gathered, one entry per segment
+    spread = max(s for s, _ in segments) - min(s for s, _ in segments) + 1 > 2 * len(segments)
+    assert (batch.index is not None) == spread
+    if spread:
+        assert batch.width == len(segments) and batch.index.tolist() == sorted(s for s, _ in segments)
     out = torch.full((n_total, H * HD), float("nan"))
     batch.attend(qs, kc, vc, window, out)
     torch.testing.assert_close(out, _reference(qs, kc, vc, segments, starts, window), atol=1e-5, rtol=1e-5)
 
 
 def test_scores_split_by_slots_give_the_same_rows(monkeypatch):
-    segments, starts = CASES["ragged blocks, a free slot among them"]
     g = torch.Generator().manual_seed(7)
-    kc, vc = torch.randn(4, HKV, MAX_LEN, HD, generator=g), torch.randn(4, HKV, MAX_LEN, HD, generator=g)
-    qs = torch.randn(10, H, HD, generator=g)
-    whole = torch.empty(10, H * HD)
-    SlotBatch.of(segments, starts, [0, 1, 8], "cpu").attend(qs, kc, vc, None, whole)
-    monkeypatch.setattr(SlotBatch, "MAX_SCORES", 1)      # one slot per product
-    split = torch.empty(10, H * HD)
-    SlotBatch.of(segments, starts, [0, 1, 8], "cpu").attend(qs, kc, vc, None, split)
-    torch.testing.assert_close(split, whole)
+    kc, vc = torch.randn(12, HKV, MAX_LEN, HD, generator=g), torch.randn(12, HKV, MAX_LEN, HD, generator=g)
+    for case in ("ragged blocks, a free slot among them", "spread blocks, out of row order"):
+        segments, starts = CASES[case]
+        rows = [sum(n for _, n in segments[:i]) for i in range(len(segments))]
+        qs = torch.randn(sum(n for _, n in segments), H, HD, generator=g)
+        whole, split = torch.empty(qs.shape[0], H * HD), torch.empty(qs.shape[0], H * HD)
+        SlotBatch.of(segments, starts, rows, "cpu").attend(qs, kc, vc, None, whole)
+        with monkeypatch.context() as m:
+            m.setattr(SlotBatch, "MAX_SCORES", 1)      # one slot per product
+            SlotBatch.of(segments, starts, rows, "cpu").attend(qs, kc, vc, None, split)
+        torch.testing.assert_close(split, whole)
 
 
 def test_what_goes_into_the_batch():
@@ -71,8 +81,8 @@ def test_what_goes_into_the_batch():
     b = SlotBatch.of([(0, 1), (1, 40), (2, 3)], [5, 0, 7], [0, 1, 41], "cpu")
     assert b.members == frozenset({0, 2})
     assert SlotBatch.of([(0, 1), (1, 40)], [5, 0], [0, 1], "cpu") is None
-    # slots spread over more than twice their number: per segment
-    assert SlotBatch.of([(0, 1), (9, 1)], [5, 5], [0, 1], "cpu") is None
+    # two segments in one slot cannot be one batch's entries
+    assert SlotBatch.of([(3, 1), (3, 1)], [5, 6], [0, 1], "cpu") is None
 
 
 def test_cache_hands_out_the_lowest_free_slot():

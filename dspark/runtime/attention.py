@@ -8,7 +8,10 @@ us for one decoding row against 256 keys on the AMD EPYC VM, of which 27 us in t
 do 0.3 M multiply-adds. ``SlotBatch`` runs those segments as one batched product over the slots
 they occupy, the cache read in place (``k[lo:hi, :, :S]`` is a strided view; the allocator hands
 out the lowest free slot, so a step's requests sit in a compact range): every query row against
-the keys up to the longest segment's end, the rest masked. Per layer, at contexts 192 - 320, 32
+the keys up to the longest segment's end, the rest masked. Segments whose slots are spread over
+more than twice their number (the few requests of a step that verify a block among many that only
+decode) have their slots' keys and values gathered first, up to the longest end: one copy, where
+one product per segment per layer costs more (docs/speed.md). Per layer, at contexts 192 - 320, 32
 decoding rows take 0.57 ms instead of 1.30 ms, 32 blocks of 2 rows 0.70 ms instead of 1.95
 (``scripts/attention_time.py --ragged``). With many long contexts (64 requests up to 900 keys) the
 fp32 cache's bandwidth bounds both ways alike.
@@ -66,8 +69,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 
 @dataclass
 class SlotBatch:
-    """The short segments of one forward, laid out once for every layer: slot ``lo + b`` holds
-    batch entry b, its n_max query rows padded (padding rows and free slots in the range look at
+    """The short segments of one forward, laid out once for every layer: slot ``lo + b`` (or
+    ``index[b]``, where the slots are gathered) holds batch entry b, its n_max query rows padded (padding rows and free slots in the range look at
     key 0 only; their outputs are dropped). ``masks`` per attention window: additive [B, 1, n_max,
     1, S], -inf beyond each row's causal end (and before its window)."""
     lo: int
@@ -81,6 +84,7 @@ class SlotBatch:
     masks: dict
     dense: int | None = None    # the first row, when the segments' rows ARE the padded layout
     ragged: bool = True         # whether any key column is masked for any row (else no mask)
+    index: torch.Tensor | None = None   # the slots of entries 0 .. B - 1, where they are gathered
 
     # a segment this short goes into the batch (decoding rows, verification blocks); prefill chunks
     # attend on their own
@@ -95,7 +99,7 @@ class SlotBatch:
         so a step of 32 decoding requests in which one verifies a block of 8 would attend as 32
         blocks of 8 (per layer about 3.3x the time of 32 rows, ``scripts/attention_time.py``);
         apart, the decoding rows keep their cost and the blocks add theirs. Segments in no batch
-        (prefill chunks, a group of one, slots spread too far) attend on their own."""
+        (prefill chunks, a group of one) attend on their own."""
         short = [i for i, (_, n) in enumerate(segments) if n <= cls.MAX_ROWS]
         groups = [[i for i in short if segments[i][1] == 1], [i for i in short if segments[i][1] > 1]]
         batches = [cls.of(segments, starts, row_starts, device, causal, pick=g) for g in groups if g]
@@ -105,33 +109,38 @@ class SlotBatch:
     def of(cls, segments, starts, row_starts, device, causal: bool = True,
            pick: list[int] | None = None) -> SlotBatch | None:
         """The batch of the segments of at most MAX_ROWS rows (of those in ``pick``, when given),
-        or None when fewer than two qualify or their slots are spread over more than twice their
-        number. ``causal=False``: every row of a segment sees all of its keys (a drafter's
-        non-causal block)."""
+        or None when fewer than two qualify or two share a slot. Slots within a range of at most
+        twice their number are read in place (free slots in the range are padding entries); slots
+        spread wider are gathered (``index``). ``causal=False``: every row of a segment sees all
+        of its keys (a drafter's non-causal block)."""
         chosen = range(len(segments)) if pick is None else pick
         picked = [(segments[i][0], segments[i][1], starts[i], row_starts[i], i) for i in chosen
                   if segments[i][1] <= cls.MAX_ROWS]
         if len(picked) < 2:
             return None
         slots = [p[0] for p in picked]
-        lo, hi = min(slots), max(slots)
-        if hi - lo + 1 > 2 * len(picked) or len(set(slots)) != len(slots):
+        if len(set(slots)) != len(slots):
             return None
-        width, rows = hi - lo + 1, max(p[1] for p in picked)
+        lo, hi = min(slots), max(slots)
+        spread = hi - lo + 1 > 2 * len(picked)
+        # batch entry of each slot: its offset in the range read in place, or its rank, gathered
+        entry = {s: i for i, s in enumerate(sorted(slots))} if spread else {s: s - lo for s in slots}
+        width, rows = (len(slots) if spread else hi - lo + 1), max(p[1] for p in picked)
         keys = max(start + n for _, n, start, _, _ in picked)
         src: list[int] = []
         dst: list[int] = []
         qpos = torch.full((width, rows), -1, dtype=torch.long)
         for slot, n, start, row, _ in picked:
-            b = slot - lo
+            b = entry[slot]
             src.extend(range(row, row + n))
             dst.extend(range(b * rows, b * rows + n))
             qpos[b, :n] = torch.arange(start, start + n) if causal else start + n - 1
         dense = src[0] if src == list(range(src[0], src[0] + width * rows)) and dst == list(range(width * rows)) \
             else None
         ragged = (rows > 1 and causal) or len({start + n for _, n, start, _, _ in picked}) > 1 or dense is None
+        index = torch.tensor(sorted(slots), device=device) if spread else None
         return cls(lo, width, rows, keys, torch.tensor(src, device=device), torch.tensor(dst, device=device),
-                   qpos.to(device), frozenset(p[4] for p in picked), {}, dense, ragged)
+                   qpos.to(device), frozenset(p[4] for p in picked), {}, dense, ragged, index)
 
     def mask(self, window: int | None, dtype) -> torch.Tensor:
         if window not in self.masks:
@@ -169,10 +178,14 @@ class SlotBatch:
         step = max(1, self.MAX_SCORES // (Hkv * n * rep * S))
         for a in range(0, B, step):
             b = min(B, a + step)
-            s = torch.matmul(q[a:b], kc[self.lo + a:self.lo + b, :, :S].transpose(2, 3))
+            if self.index is None:
+                k, v = kc[self.lo + a:self.lo + b, :, :S], vc[self.lo + a:self.lo + b, :, :S]
+            else:
+                k, v = (c[:, :, :S].index_select(0, self.index[a:b]) for c in (kc, vc))
+            s = torch.matmul(q[a:b], k.transpose(2, 3))
             if mask is not None:
                 s.view(b - a, Hkv, n, rep, S).add_(mask[a:b])
-            torch.matmul(softmax_fp32(s), vc[self.lo + a:self.lo + b, :, :S], out=o[a:b])
+            torch.matmul(softmax_fp32(s), v, out=o[a:b])
         if direct:
             return
         o = o.view(B, Hkv, n, rep, hd).transpose(1, 2).reshape(B * n, H * hd)
