@@ -192,6 +192,35 @@ def test_a_measuring_step_times_the_drafter_on_requests_no_lookup_serves(tmp_pat
     assert policy.measuring == BLOCK and sum(policy._explored.values()) == 1
 
 
+def test_a_measuring_step_times_the_drafter_on_the_requests_with_least_to_catch_up(tmp_path):
+    # the call takes in every context row a request verified since it last drafted (a whole prompt
+    # at its first call): the quarter of a load that times it is the quarter with the fewest such rows
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
+    reqs = requests(8)
+    waiting = [90, 12, 300, 7, 55, 160, 9, 40]          # rows of target features not yet drafted from
+    for r, n in zip(reqs, waiting):
+        r.ctx.features = [torch.zeros(n, 4)]
+    policy.observe(timed(policy.draft_lengths(reqs, BLOCK, [0] * 8)))          # the plain step
+    assert policy.draft_lengths(reqs, BLOCK, [0] * 8) == [0, 0, 0, BLOCK, 0, 0, BLOCK, 0]
+    # among the requests no lookup serves
+    policy = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK), max_requests=8)
+    policy.observe(timed(policy.draft_lengths(reqs, BLOCK, [0] * 8)))
+    assert policy.draft_lengths(reqs, BLOCK, [0, 0, 0, 2, 0, 0, 2, 0]) == [0, BLOCK, 0, 0, 0, 0, 0, BLOCK]
+
+
+def test_set_up_seconds_leave_out_the_prompts_prefilled_beside_a_measuring_step(tmp_path):
+    # a measuring step that also admits prompts: their prefill is paid by plain decoding alike
+    policy = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK, tmp_path / "c.json"),
+                        max_requests=4)
+    reqs = requests(4)
+    assert policy.draft_lengths(reqs, BLOCK, [0] * 4) == [0] * 4 and policy.measuring == 0
+    out = timed([0] * 4, prefill=396)                  # 400 rows: 4 decoding, 396 of prompts
+    policy.observe(out)
+    assert policy.measuring_steps == 1
+    assert policy.measuring_seconds == pytest.approx(out.seconds - 396 / 400 * out.forward_seconds)
+
+
 def test_auto_starts_priced_from_what_an_earlier_run_learned(tmp_path):
     path = tmp_path / "c.json"
     first = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK, path), max_requests=4)

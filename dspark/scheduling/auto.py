@@ -18,7 +18,9 @@ policy chooses may never show, so the policy runs them itself, as regular, lossl
   drafter has been timed drafting the whole block for a number of requests within a factor of 4 of
   the current load, a quarter of the requests (then an eighth: two sizes give the call's slope;
   requests a lookup serves for free are passed over, since the call does not run for them) draft
-  the whole block, the others none, and the inner policy verifies of it what pays on the
+  the whole block, the others none (those with the fewest context rows waiting for the drafter:
+  the call takes in every row verified since a request last drafted, a whole prompt at its first
+  call, and the lookups spare it many), and the inner policy verifies of it what pays on the
   prices known so far (the call is spent by then; verifying the whole block too would cost a heavy
   load several plain steps and teach nothing the decoding steps do not).
   Where a lookup served all requests but one or two while a load was measured, the call was timed
@@ -68,7 +70,8 @@ class AutoPolicy(Policy):
         self._since_plain: dict[int, int] = {} # requests bucket -> steps there since its last one
         self._since_price = 0
         self._since_save = 0
-        self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up)
+        self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up;
+                                               # prompts prefilled beside them not counted)
         self.measuring_seconds = 0.0
         inner.reprice(costs.table(max_requests))
 
@@ -87,7 +90,8 @@ class AutoPolicy(Policy):
         if shape is not None:
             depth, n = shape
             want = [0] * len(requests)
-            for i in served[:n]:        # n = 0 for a plain step
+            # n = 0 for a plain step; else the n requests with the least for the call to catch up on
+            for i in sorted(served, key=lambda i: self.inner.backlog(requests[i], depth))[:n]:
                 want[i] = depth
             return want
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
@@ -100,8 +104,13 @@ class AutoPolicy(Policy):
 
     def observe(self, outcome: StepOutcome) -> None:
         if self.measuring is not None:
+            # the step's set-up part: its time less the prompt rows it prefilled beside the
+            # measuring (their share of the forward), which plain decoding pays alike
+            o = outcome
+            decode_rows = sum(1 + r.verified for r in o.requests)
+            prompts = max(0, o.forward_rows - decode_rows) / o.forward_rows if o.forward_rows > 0 else 0.0
             self.measuring_steps += 1
-            self.measuring_seconds += outcome.seconds
+            self.measuring_seconds += o.seconds - prompts * o.forward_seconds
         new_shape = self.costs.observe(outcome)
         self.inner.observe(outcome)
         self._since_price += 1
