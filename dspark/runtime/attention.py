@@ -70,9 +70,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 @dataclass
 class SlotBatch:
     """The short segments of one forward, laid out once for every layer: slot ``lo + b`` (or
-    ``index[b]``, where the slots are gathered) holds batch entry b, its n_max query rows padded (padding rows and free slots in the range look at
-    key 0 only; their outputs are dropped). ``masks`` per attention window: additive [B, 1, n_max,
-    1, S], -inf beyond each row's causal end (and before its window)."""
+    ``index[b]``, where the slots are gathered) holds batch entry b, its n_max query rows padded
+    (padding rows and free slots in the range look at key 0 only; their outputs are dropped).
+    ``masks`` per attention window: additive [B, 1, n_max, 1, S], -inf beyond each row's causal end
+    (and before its window)."""
     lo: int
     width: int              # B: slots lo .. lo + B - 1
     rows: int               # n_max

@@ -91,8 +91,9 @@ class AutoPolicy(Policy):
             depth, n = shape
             want = [0] * len(requests)
             # n = 0 for a plain step; else the n requests with the least for the call to catch up on
-            for i in sorted(served, key=lambda i: self.inner.backlog(requests[i], depth))[:n]:
-                want[i] = depth
+            if n:
+                for i in sorted(served, key=lambda i: self.inner.backlog(requests[i], depth))[:n]:
+                    want[i] = depth
             return want
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)
 
