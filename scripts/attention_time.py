@@ -3,8 +3,8 @@
 slots (``SlotBatch``), with the rows in slot order (read in place) and with one segment's rows laid
 out last (gathered and scattered, as when a request joins the running list in a freed slot), and in
 every fourth slot (their keys and values gathered, as for the few requests of a step that verify a
-block among many decoding ones), in one process; best of 5 timings of a loop of calls (a microbenchmark: the cache stays warm). Also the
-largest difference between the paths' outputs.
+block among many decoding ones), in one process; best of 5 timings of a loop of calls (a
+microbenchmark: the cache stays warm). Also the largest difference between the paths' outputs.
 
     .venv/bin/python scripts/attention_time.py --shapes 1x1,4x1,4x2,32x1,32x2 --context 256
 """

@@ -75,7 +75,7 @@ class SlotBatch:
     ``masks`` per attention window: additive [B, 1, n_max, 1, S], -inf beyond each row's causal end
     (and before its window)."""
     lo: int
-    width: int              # B: slots lo .. lo + B - 1
+    width: int              # B: slots lo .. lo + B - 1, or the B slots in ``index``
     rows: int               # n_max
     keys: int               # S: the longest segment's end
     src: torch.Tensor       # the forward's rows of these segments

@@ -107,11 +107,11 @@ class AutoPolicy(Policy):
         if self.measuring is not None:
             # the step's set-up part: its time less the prompt rows it prefilled beside the
             # measuring (their share of the forward), which plain decoding pays alike
-            o = outcome
-            decode_rows = sum(1 + r.verified for r in o.requests)
-            prompts = max(0, o.forward_rows - decode_rows) / o.forward_rows if o.forward_rows > 0 else 0.0
+            rows = outcome.forward_rows
+            decoding = sum(1 + r.verified for r in outcome.requests)
+            prompts = max(0, rows - decoding) / rows if rows > 0 else 0.0
             self.measuring_steps += 1
-            self.measuring_seconds += o.seconds - prompts * o.forward_seconds
+            self.measuring_seconds += outcome.seconds - prompts * outcome.forward_seconds
         new_shape = self.costs.observe(outcome)
         self.inner.observe(outcome)
         self._since_price += 1
