@@ -359,6 +359,27 @@ def test_the_first_verified_tokens_of_a_step_are_priced_as_they_ran(tmp_path):
     assert table.drafter_seconds(R, 1, 64) == pytest.approx(costs.drafter_seconds(R, 1), rel=0.05)
 
 
+def test_a_lone_token_in_a_step_of_many_requests_is_priced_as_it_ran(tmp_path):
+    # one token verified in a step of 32 decoding requests (a lookup's proposal explored alone) pays
+    # nearly the whole fixed part of a ragged step: priced between nothing and four tokens in all,
+    # it looked a quarter as dear, and the explorations ran several times their budget
+    R, JUMP = 32, 0.020
+
+    def decode_fwd(rows):
+        return forward_s(rows) + (JUMP if rows > R else 0.0)
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for lengths in [[0] * R] * 6 + [[1] + [0] * (R - 1)] * 4 + [[2, 2] + [0] * (R - 2)] * 4 + [[1] * R] * 4:
+        o = timed(lengths)
+        fwd = decode_fwd(o.forward_rows)
+        costs.observe(StepOutcome(o.requests, fwd + o.draft_seconds + rest_s(R), True,
+                                  forward_rows=o.forward_rows, forward_seconds=fwd, draft_seconds=o.draft_seconds))
+    table = costs.table(R)
+    one = table.target_seconds(R, 1 / R, 64) - table.target_seconds(R, 0, 64)
+    assert one == pytest.approx(decode_fwd(R + 1) - decode_fwd(R), rel=0.1)
+    four = table.target_seconds(R, 4 / R, 64) - table.target_seconds(R, 0, 64)
+    assert four == pytest.approx(decode_fwd(R + 4) - decode_fwd(R), rel=0.1)
+
+
 def test_a_measuring_step_drafts_the_whole_block_and_verifies_what_pays(tmp_path):
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
     for rows in (4, 80):                        # the requests' prompts prefilled: the forward is priced

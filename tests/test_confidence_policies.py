@@ -688,6 +688,34 @@ def test_free_proposals_explored_alone_one_request_at_a_time():
     assert 2 <= sum(verifying) <= 0.01 * 80 / (0.25 / 32 / 0.125) + 1
 
 
+def test_lone_explorations_thin_out_when_verifying_costs_more_than_the_table_says():
+    """A lone token is priced as the policy prices verification: the table's extra times rho, what
+    verifying steps were measured to cost over it. Where a lone token costs three times the table's
+    price, explorations come about a third as often, so they keep within their budget."""
+    from types import SimpleNamespace
+    from dspark.drafters.base import Proposal
+    from dspark.scheduling.base import RequestOutcome
+    R = 32
+    dear = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
+                     seconds=[[[1.0, 1.25, 1.6, 2.0], [1.0, 1.25, 1.6, 2.0]]])
+    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
+
+    def explorations(lone_seconds):
+        policy = make_policy("prefix", 3, cost_table=dear)
+        count = 0
+        for _ in range(600):
+            policy.draft_lengths(reqs, 3, [3] * R)
+            lengths = policy.verify_lengths(reqs, [Proposal(torch.tensor([5, 6, 7]), free=True) for _ in reqs])
+            count += any(lengths)
+            policy.observe(StepOutcome(tuple(RequestOutcome(i, 3, n, 0, free=True) for i, n in enumerate(lengths)),
+                                       lone_seconds if any(lengths) else 1.0, True))
+        return count, policy.cost.extra_scale
+    as_priced, rho = explorations(1.0 + 0.25 / 4)      # a lone token as the table prices it
+    dearer, rho_dear = explorations(1.0 + 3 * 0.25 / 4)
+    assert rho == pytest.approx(1.0, abs=0.1) and rho_dear > 2.0
+    assert 3 <= dearer <= 0.6 * as_priced
+
+
 def test_lookups_rest_while_their_proposals_go_unverified_and_wake_when_one_is_verified():
     """A lookup per request costs a step time too: after ``free_rest_after`` steps whose free
     proposals the search verified none of, the policy asks for them every ``probe_every``-th step

@@ -100,3 +100,24 @@ def test_draft_lm_catches_up_and_rolls_back():
     d.release(a)
     d.release(b)
     assert d.cache.num_free == 2
+
+
+def test_ngram_lookups_follow_a_growing_request_and_a_replaced_one():
+    """The lookup keeps each request's tokens as an array extended by what was appended since its
+    last call: its proposals are those of a fresh lookup over the whole text at every round, and a
+    request whose token list was replaced or cut is read anew."""
+    import random
+    rng = random.Random(0)
+    kept, fresh = NgramDrafter(block_size=5), NgramDrafter(block_size=5)
+    ctx = DraftContext([rng.randrange(12) for _ in range(40)], SamplingParams(), None, 5)
+    for _ in range(60):
+        ctx.tokens.extend(rng.randrange(12) for _ in range(rng.randrange(1, 5)))
+        again = DraftContext(list(ctx.tokens), SamplingParams(), None, 5)
+        assert kept.propose([ctx])[0].tokens.tolist() == fresh.propose([again])[0].tokens.tolist()
+    for change in ("replace", "cut"):
+        if change == "replace":
+            ctx.tokens = [rng.randrange(12) for _ in range(30)]
+        else:
+            del ctx.tokens[20:]
+        again = DraftContext(list(ctx.tokens), SamplingParams(), None, 5)
+        assert kept.propose([ctx])[0].tokens.tolist() == fresh.propose([again])[0].tokens.tolist()

@@ -44,7 +44,9 @@ log = logging.getLogger("dspark")
 
 SAMPLES = 8          # recent samples kept per bucket (their lower median is its price)
 STEPS_PER_BUCKET = 4 # buckets per doubling (~19 % apart)
-FIRST = 0.125        # the cost table's first verified column beyond 0 (tokens per request)
+# the cost table's verified columns below one token per request (tokens per request): one token in a
+# step of 32 requests, and four
+FRACTIONS = (1 / 32, 1 / 8)
 
 
 def machine_id() -> str:
@@ -304,10 +306,12 @@ class LearnedCosts:
         if not self.forward:
             return None
         requests = sorted({2 ** i for i in range(max(1, max_requests).bit_length())} | {max(1, max_requests)})
-        # a column at FIRST tokens a request (a few tokens in a step of many requests): the first
-        # verified tokens cost a step more than the next, which the integer columns alone would
-        # spread over a whole token per request
-        verified = [0, FIRST] + list(range(1, self.block + 1))
+        # columns at a fraction of a token a request (a few tokens in a step of many requests): the
+        # first verified token costs a step more than the next (a block laid out and attended beside
+        # the decoding rows), which the integer columns alone would spread over a whole token per
+        # request, and one column at 1/8 over the first four of 32 requests: a lone token at 32
+        # requests, measured at 12 - 20 % of a plain step, was priced at a quarter of that
+        verified = [0, *FRACTIONS] + list(range(1, self.block + 1))
         seconds, draft = [], []
         for R in requests:
             d_row = [self.drafter_seconds(R, max(1, v)) if v else 0.0 for v in verified]

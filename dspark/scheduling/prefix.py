@@ -263,8 +263,10 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         load would pay that in most steps. So alone, one request at a time, ``probe_every`` steps
         apart or as far apart as keeps their price within ``probe_budget`` of the plain steps."""
         self._quiet += 1
-        # without prices the policy decodes plainly (``_unpriced``)
-        if self._quiet < self.probe_every or self.cost.table is None or self._quiet < self.budget_gap(requests, 0):
+        # without prices the policy decodes plainly (``_unpriced``); a lone token is priced as the
+        # policy prices verification (the table's, times what verifying steps cost over it, rho)
+        if (self._quiet < self.probe_every or self.cost.table is None
+                or self._quiet < self.budget_gap(requests, 0, scale=self.cost.extra_scale)):
             return None
         due = [i for i, (r, p) in enumerate(zip(requests, proposals))
                if p.free and len(p) and self.states[r.id].free_idle + 1 >= self.probe_every]
