@@ -221,6 +221,27 @@ def test_set_up_seconds_leave_out_the_prompts_prefilled_beside_a_measuring_step(
     assert policy.measuring_seconds == pytest.approx(out.seconds - 396 / 400 * out.forward_seconds)
 
 
+def test_auto_prices_verification_over_a_hurdle_and_learns_its_ratio_unbiased(tmp_path):
+    # verification is priced at 1.25 x its expected cost, so a step whose expected gain is within
+    # that of its price is not verified; rho, what verifying steps cost over the table, is learned
+    # from the expected cost, not the hurdled one
+    costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
+    for lengths in [[0] * 8] * 4 + [[1] * 8] * 4 + [[2] * 8] * 4 + [[3] * 8] * 4:
+        costs.observe(timed(lengths))
+    policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
+    model = policy.inner.cost
+    base, more = model.parts(8, 8, 64, 0, 0.0)       # 8 tokens of lookups: no drafter call
+    assert more > 0 and model.seconds(8, 8, 64, 0, 0.0) == pytest.approx(base + 1.25 * more)
+    for _ in range(20):                 # steps that cost what the table says
+        model.expect(8, 8, 64, 0, 0.0)
+        model.observe(base + more)
+    assert model.extra_scale == pytest.approx(1.0)
+    # tokens that pay for 1.1 x the verification's expected cost clear it, not the hurdle
+    price = model.pricer(8, 64, 0, 0.0)
+    tau = 8 + 1.1 * 8 * more / base
+    assert tau / (base + more) > 8 / base and tau / price(8) < 8 / price(0)
+
+
 def test_auto_starts_priced_from_what_an_earlier_run_learned(tmp_path):
     path = tmp_path / "c.json"
     first = AutoPolicy(make_policy("prefix", BLOCK), LearnedCosts("k", BLOCK, path), max_requests=4)

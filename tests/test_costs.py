@@ -174,3 +174,25 @@ def test_nearest_context_column_and_one_steps_pricer():
             assert price(extra) == model.seconds(R, extra, ctx, drafting, depth, rows)
         many = np.array([0, 1, 2.5, 7, 30, 200])         # an array of extras, priced in one call
         assert price(many) == pytest.approx([model.seconds(R, e, ctx, drafting, depth, rows) for e in many], rel=1e-12)
+
+
+def test_the_pace_is_measured_against_the_table_in_use():
+    """The auto policy replaces its table as it learns: the machine's pace (measured / priced plain
+    steps) is read against the new table, not kept as a ratio to the old one, whose error would
+    otherwise scale every price, and the drafting ratio learned through it, until eight plain steps
+    pass."""
+    first = costs.CostTable("tiny", requests=[1, 32], verified=[0, 1], contexts=[64],
+                            seconds=[[[0.01, 0.02], [0.3, 0.6]]])      # 32 requests priced from prefills
+    model = costs.CostModel(first)
+    for _ in range(3):
+        model.expect(32, 0, 64, 0, 0.0)
+        model.observe(0.04)                  # plain steps of 32 requests run at 40 ms
+    assert model.pace == pytest.approx(0.04 / 0.3)
+    model.table = costs.CostTable("tiny", requests=[1, 32], verified=[0, 1], contexts=[64],
+                                  seconds=[[[0.01, 0.02], [0.04, 0.08]]])   # rebuilt from those steps
+    assert model.pace == pytest.approx(1.0)
+    assert model.seconds(32, 0, 64) == pytest.approx(0.04)
+    # a drafting step that runs as the new table says teaches rho nothing
+    model.expect(32, 32, 64, None, 1.0)
+    model.observe(0.08)
+    assert model.extra_scale == pytest.approx(1.0)

@@ -222,8 +222,12 @@ class CostModel:
     priced pace x (plain part + rho x drafting part):
 
     - pace, the machine's speed now: measured / table over the plain steps of the last ``window``
-      observed steps (1 before any plain step). It scales every price alike, so it never changes
-      a decision between drafting and not;
+      observed steps (1 before any plain step), against the table in use: where the table is
+      replaced (the auto policy rebuilds it from what it learns), a ratio to the old one would
+      misprice every step by the old table's error (at a cold start, a plain step of 32 requests
+      priced from prompt prefills at 300 ms, measured 39: every price an eighth of the truth
+      until eight plain steps pass). It scales every price alike, so it never changes a decision
+      between drafting and not, but rho is learned from prices divided by it;
     - rho, what drafting really costs relative to the table: from drafting steps, their time over
       the pace, less the plain part, against the table's drafting part (ratio of exponential
       averages, so that a probe's small part weighs little). It is learned only while the pace is
@@ -238,19 +242,22 @@ class CostModel:
         self.beta = beta
         self.window = window
         self.extra_scale = 1.0    # rho
+        # what a step's verification part is priced at over its expected cost (see ``AutoPolicy``)
+        self.hurdle = 1.0
         self.since_plain = 0      # observed steps since the last plain one
-        # (plain part, drafting part) predicted for the step being run
-        self._pending: tuple[float, float] | None = None
+        # (plain part, drafting part, requests, context) predicted for the step being run
+        self._pending: tuple[float, float, int, int] | None = None
         self._step = 0            # observed steps so far
-        self._plain: deque = deque(maxlen=8)   # (step, measured / table) of recent plain steps
+        self._plain: deque = deque(maxlen=8)   # (step, seconds, requests, context) of recent plain steps
         self._extra = [0.0, 0.0]  # averages of (measured, predicted) drafting parts
 
     @property
     def pace(self) -> float | None:
-        """measured / table over the fresh plain steps; 1 before any; None when all are stale."""
-        if not self._plain:
+        """measured / table over the fresh plain steps (priced by the table in use); 1 before any or
+        without a table; None when all are stale."""
+        if not self._plain or self.table is None:
             return 1.0
-        fresh = [r for step, r in self._plain if self._step - step < self.window]
+        fresh = [s / self.table.target_seconds(r, 0, c) for step, s, r, c in self._plain if self._step - step < self.window]
         return sum(fresh) / len(fresh) if fresh else None
 
     def context_index(self, context: int) -> int:
@@ -282,7 +289,7 @@ class CostModel:
         if self.table is None:
             return 1.0
         base, more = self.parts(requests, extra, context, drafting, depth, rows)
-        return (self.pace or 1.0) * (base + more * self.extra_scale)
+        return (self.pace or 1.0) * (base + more * self.extra_scale * self.hurdle)
 
     def pricer(self, requests: int, context: int, drafting: int, depth: float, rows: int = 0):
         """``seconds(requests, extra, context, drafting, depth, rows)`` as a function of ``extra``
@@ -293,7 +300,7 @@ class CostModel:
             return lambda extra: np.ones_like(extra, dtype=float) if isinstance(extra, np.ndarray) else 1.0
         base = t.target_seconds(requests, 0, context)
         call = self._call(drafting, depth, context, rows)
-        pace, scale, n = self.pace or 1.0, self.extra_scale, max(1, requests)
+        pace, scale, n = self.pace or 1.0, self.extra_scale * self.hurdle, max(1, requests)
 
         def seconds(extra):
             if isinstance(extra, np.ndarray):
@@ -321,13 +328,13 @@ class CostModel:
         calls = requests if drafting is None else drafting
         fixed = np.array([[t.drafter_seconds(calls, d, context) + t.context_row * n] for d, n in zip(depths, rows)])
         more = t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base + fixed
-        return (self.pace or 1.0) * (base + more * self.extra_scale)
+        return (self.pace or 1.0) * (base + more * self.extra_scale * self.hurdle)
 
     def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float,
                rows: int = 0) -> None:
         """The step about to run (what the policy chose), to compare with what it will cost."""
         if self.table is not None and requests:
-            self._pending = self.parts(requests, extra, context, drafting, depth, rows)
+            self._pending = (*self.parts(requests, extra, context, drafting, depth, rows), requests, context)
 
     def observe(self, seconds: float, learn: bool = True) -> tuple[float, float] | None:
         """The measured time of the step last expected. Returns a drafting step's (measured,
@@ -335,11 +342,11 @@ class CostModel:
         rho (steps unlike the ones rho prices, e.g. one-token probes)."""
         if self._pending is None:
             return None
-        base, more = self._pending
+        base, more, requests, context = self._pending
         self._pending = None
         self._step += 1
         if more <= 0:
-            self._plain.append((self._step, seconds / base))
+            self._plain.append((self._step, seconds, requests, context))
             self.since_plain = 0
             return None
         self.since_plain += 1
