@@ -73,14 +73,13 @@ class AutoPolicy(Policy):
         self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up;
                                                # prompts prefilled beside them not counted)
         self.measuring_seconds = 0.0
-        # Verification priced at 1.25 x its expected cost: a hurdle for the learned prices' and the
-        # acceptance estimates' errors, which cost most where gains are small. At 32 requests on a
-        # CPU, verifying the lookups' tokens after their first steps is near break-even, and the
-        # steps that did so cost 8 - 10 ms over their learned price (53 against 45 ms, a plain
-        # step 41) while their tokens were accepted less often than the profile promised: they
-        # lost 2 - 5 % against plain decoding. Steps whose expected gain clears the hurdle (an
-        # answer's first steps, where the lookups' long matches verify two tokens a request at
-        # 90 % acceptance) still verify. Measured at 8 requests: no loss (docs/scheduling.md).
+        # Verification priced at ``hurdle`` x its expected cost: the learned prices and the expected
+        # acceptances are estimates, and where a step's expected gain is small their errors decide
+        # whether it pays; a step that verified for nothing costs the whole load. On a CPU at 32
+        # requests, verifying the lookups' tokens after an answer's first steps is near break-even,
+        # and such steps ran dearer than priced with fewer tokens accepted than promised; steps
+        # whose gain clears the hurdle (an answer's first steps) still verify. The measurements
+        # behind 1.25, and what it costs at lighter loads: docs/scheduling.md.
         inner.cost.hurdle = hurdle
         inner.reprice(costs.table(max_requests))
 
