@@ -222,23 +222,26 @@ def test_set_up_seconds_leave_out_the_prompts_prefilled_beside_a_measuring_step(
 
 
 def test_auto_prices_verification_over_a_hurdle_and_learns_its_ratio_unbiased(tmp_path):
-    # verification is priced at 1.25 x its expected cost, so a step whose expected gain is within
-    # that of its price is not verified; rho, what verifying steps cost over the table, is learned
-    # from the expected cost, not the hurdled one
+    # verification is priced over its expected cost, by a factor from 1 at one request to 1.25 at 32
+    # requests and beyond, so a step whose expected gain is within that of its price is not
+    # verified; rho, what verifying steps cost over the table, is learned from the expected cost
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
     for lengths in [[0] * 8] * 4 + [[1] * 8] * 4 + [[2] * 8] * 4 + [[3] * 8] * 4:
         costs.observe(timed(lengths))
     policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
     model = policy.inner.cost
+    assert [model.hurdle_at(r) for r in (1, 32, 64)] == [1.0, 1.25, 1.25]
+    h = model.hurdle_at(8)
+    assert h == pytest.approx(1 + 0.25 * 7 / 31)
     base, more = model.parts(8, 8, 64, 0, 0.0)       # 8 tokens of lookups: no drafter call
-    assert more > 0 and model.seconds(8, 8, 64, 0, 0.0) == pytest.approx(base + 1.25 * more)
+    assert more > 0 and model.seconds(8, 8, 64, 0, 0.0) == pytest.approx(base + h * more)
     for _ in range(20):                 # steps that cost what the table says
         model.expect(8, 8, 64, 0, 0.0)
         model.observe(base + more)
     assert model.extra_scale == pytest.approx(1.0)
-    # tokens that pay for 1.1 x the verification's expected cost clear it, not the hurdle
+    # tokens that pay for 1.03 x the verification's expected cost clear it, not the hurdle
     price = model.pricer(8, 64, 0, 0.0)
-    tau = 8 + 1.1 * 8 * more / base
+    tau = 8 + 1.03 * 8 * more / base
     assert tau / (base + more) > 8 / base and tau / price(8) < 8 / price(0)
 
 

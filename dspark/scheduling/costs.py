@@ -242,8 +242,10 @@ class CostModel:
         self.beta = beta
         self.window = window
         self.extra_scale = 1.0    # rho
-        # what a step's verification part is priced at over its expected cost (see ``AutoPolicy``)
+        # what a step's verification part is priced at over its expected cost (see ``AutoPolicy``):
+        # ``hurdle`` at ``hurdle_load`` requests and beyond, none at one, in proportion between
         self.hurdle = 1.0
+        self.hurdle_load = 32
         self.since_plain = 0      # observed steps since the last plain one
         # (plain part, drafting part, requests, context) predicted for the step being run
         self._pending: tuple[float, float, int, int] | None = None
@@ -259,6 +261,13 @@ class CostModel:
             return 1.0
         fresh = [s / self.table.target_seconds(r, 0, c) for step, s, r, c in self._plain if self._step - step < self.window]
         return sum(fresh) / len(fresh) if fresh else None
+
+    def hurdle_at(self, requests: int) -> float:
+        """The factor on a step's verification part at this load (1 where there is no hurdle)."""
+        if self.hurdle == 1.0:
+            return 1.0
+        share = min(1.0, max(0, requests - 1) / max(1, self.hurdle_load - 1))
+        return 1.0 + (self.hurdle - 1.0) * share
 
     def context_index(self, context: int) -> int:
         """The table's context column a step at this context is priced from (-1 without a table)."""
@@ -289,7 +298,7 @@ class CostModel:
         if self.table is None:
             return 1.0
         base, more = self.parts(requests, extra, context, drafting, depth, rows)
-        return (self.pace or 1.0) * (base + more * self.extra_scale * self.hurdle)
+        return (self.pace or 1.0) * (base + more * self.extra_scale * self.hurdle_at(requests))
 
     def pricer(self, requests: int, context: int, drafting: int, depth: float, rows: int = 0):
         """``seconds(requests, extra, context, drafting, depth, rows)`` as a function of ``extra``
@@ -300,7 +309,7 @@ class CostModel:
             return lambda extra: np.ones_like(extra, dtype=float) if isinstance(extra, np.ndarray) else 1.0
         base = t.target_seconds(requests, 0, context)
         call = self._call(drafting, depth, context, rows)
-        pace, scale, n = self.pace or 1.0, self.extra_scale * self.hurdle, max(1, requests)
+        pace, scale, n = self.pace or 1.0, self.extra_scale * self.hurdle_at(requests), max(1, requests)
 
         def seconds(extra):
             if isinstance(extra, np.ndarray):
@@ -328,7 +337,7 @@ class CostModel:
         calls = requests if drafting is None else drafting
         fixed = np.array([[t.drafter_seconds(calls, d, context) + t.context_row * n] for d, n in zip(depths, rows)])
         more = t.target_seconds_many(requests, np.maximum(extra, 0) / max(1, requests), context) - base + fixed
-        return (self.pace or 1.0) * (base + more * self.extra_scale * self.hurdle)
+        return (self.pace or 1.0) * (base + more * self.extra_scale * self.hurdle_at(requests))
 
     def expect(self, requests: int, extra: float, context: int, drafting: int, depth: float,
                rows: int = 0) -> None:
