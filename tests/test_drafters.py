@@ -103,9 +103,8 @@ def test_draft_lm_catches_up_and_rolls_back():
 
 
 def test_ngram_lookups_follow_a_growing_request_and_a_replaced_one():
-    """The lookup keeps each request's tokens as an array extended by what was appended since its
-    last call: its proposals are those of a fresh lookup over the whole text at every round, and a
-    request whose token list was replaced or cut is read anew."""
+    """A request's lookup, kept in its state between rounds, is that of a fresh lookup over its whole
+    text at every round, and a request whose token list was replaced or cut is read anew."""
     import random
     rng = random.Random(0)
     kept, fresh = NgramDrafter(block_size=5), NgramDrafter(block_size=5)

@@ -114,24 +114,6 @@ def lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int = 5, min_ngram: i
     return tokens[:0], 0
 
 
-def _token_array(ctx: DraftContext) -> np.ndarray:
-    """The request's tokens as an int64 array, kept in its state and extended by the tokens appended
-    since the last call: converting the whole list anew each round costs more than the lookup itself
-    (13 us for 600 tokens), for each of a step's requests."""
-    got = ctx.state.get("_token_array")
-    n = len(ctx.tokens)
-    # the engine only appends to a request's tokens; a list replaced, cut or rewritten is converted anew
-    if got is not None and got[0] is ctx.tokens and 0 < got[2] <= n and got[1][got[2] - 1] == ctx.tokens[got[2] - 1]:
-        buf, have = got[1], got[2]
-        if n > buf.shape[0]:
-            buf = np.concatenate([buf[:have], np.empty(max(n - have, buf.shape[0]), dtype=np.int64)])
-        buf[have:n] = ctx.tokens[have:n]
-    else:
-        buf = np.asarray(ctx.tokens, dtype=np.int64)
-    ctx.state["_token_array"] = (ctx.tokens, buf, n)
-    return buf[:n]
-
-
 class NgramDrafter(Drafter):
     name = "ngram"
 
@@ -171,7 +153,8 @@ class NgramDrafter(Drafter):
         got = ctx.state.get("_lookup")
         if got is not None and got[0] == key:
             return got[1], got[2]
-        cont, n = lookup(_token_array(ctx), want, self.max_ngram, self.min_ngram, self.rule,
+        toks = np.asarray(ctx.tokens, dtype=np.int64)
+        cont, n = lookup(toks, want, self.max_ngram, self.min_ngram, self.rule,
                          self.history if len(self.history) else None, self.history_min_ngram)
         if n == 1:
             cont = cont[:self.weak_match_tokens]

@@ -73,15 +73,15 @@ class AutoPolicy(Policy):
         self.measuring_steps = 0               # steps run to measure, and their seconds (a run's set-up;
                                                # prompts prefilled beside them not counted)
         self.measuring_seconds = 0.0
-        # Verification priced at ``hurdle`` x its expected cost at 32 requests and beyond (from nothing
-        # at one request, in proportion between; ``CostModel.hurdle_at``): the learned prices and the expected acceptances are
-        # estimates, and where a step's expected gain is small their errors decide whether it pays;
-        # a step that verified for nothing costs the whole load. On a CPU at 32 requests, verifying
-        # the lookups' tokens after an answer's first steps is near break-even, and such steps ran
-        # dearer than priced (a ragged layout of many requests) with fewer tokens accepted than
-        # promised; steps whose gain clears the hurdle (an answer's first steps) still verify. At
-        # one request, where a step's price is its block's and the gains are large, a hurdle only
-        # drops tokens that pay. The measurements: docs/scheduling.md.
+        # Verification priced at ``hurdle`` x its expected cost from 32 requests on (none at one
+        # request, in proportion between: ``CostModel.hurdle_at``). The learned prices and the
+        # expected acceptances are estimates; where a step's expected gain is small their errors
+        # decide whether it pays, and a step that verified for nothing costs the whole load. On a CPU
+        # at 32 requests, verifying the lookups' tokens after an answer's first steps is near
+        # break-even, and such steps ran dearer than priced (a ragged layout of many requests) with
+        # fewer tokens accepted than promised; steps whose gain clears the hurdle (an answer's first
+        # steps) still verify. At one request a step's price is its block's and the gains are large:
+        # a hurdle there only drops tokens that pay. The measurements: docs/scheduling.md.
         inner.cost.hurdle = hurdle
         inner.reprice(costs.table(max_requests))
 

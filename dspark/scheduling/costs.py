@@ -219,7 +219,8 @@ class CostModel:
     """Seconds of an engine step, from the cost table, corrected online by the steps the engine
     reports. The table is measured once, on uniform steps, on the machine's state of that day; a
     serving step differs (ragged blocks, other contexts, a busier or quieter machine). A step is
-    priced pace x (plain part + rho x drafting part):
+    priced pace x (plain part + rho x hurdle x drafting part) (the hurdle, 1 unless a policy sets
+    it, prices verification over its expected cost; see ``hurdle_at`` and ``AutoPolicy``):
 
     - pace, the machine's speed now: measured / table over the plain steps of the last ``window``
       observed steps (1 before any plain step), against the table in use: where the table is
@@ -263,9 +264,8 @@ class CostModel:
         return sum(fresh) / len(fresh) if fresh else None
 
     def hurdle_at(self, requests: int) -> float:
-        """The factor on a step's verification part at this load (1 where there is no hurdle)."""
-        if self.hurdle == 1.0:
-            return 1.0
+        """The factor on a step's verification part at this load: 1 at one request, ``hurdle`` from
+        ``hurdle_load`` requests on, in proportion between."""
         share = min(1.0, max(0, requests - 1) / max(1, self.hurdle_load - 1))
         return 1.0 + (self.hurdle - 1.0) * share
 

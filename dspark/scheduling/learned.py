@@ -309,8 +309,7 @@ class LearnedCosts:
         # columns at a fraction of a token a request (a few tokens in a step of many requests): the
         # first verified token costs a step more than the next (a block laid out and attended beside
         # the decoding rows), which the integer columns alone would spread over a whole token per
-        # request, and one column at 1/8 over the first four of 32 requests: a lone token at 32
-        # requests, measured at 12 - 20 % of a plain step, was priced at a quarter of that
+        # request; with 1/8 alone, one token at 32 requests was priced at a quarter of four tokens
         verified = [0, *FRACTIONS] + list(range(1, self.block + 1))
         seconds, draft = [], []
         for R in requests:
