@@ -63,18 +63,18 @@ def rollouts(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     _, rows = cal.split_rows(read_prompts(a.heldout))
     prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in rows]
     qs = []
-    plain_verify = dspark.engine.verify
+    plain_stack = dspark.engine.stack_requests
 
-    def verify(tokens, probs, logits, params, generator):   # in the engine's order of requests
-        if len(tokens):
-            pt = torch.softmax(logits[0].float(), -1)
-            qs.append(float(1 - 0.5 * (probs[0].float() - pt).abs().sum()))
-        return plain_verify(tokens, probs, logits, params, generator)
-    dspark.engine.verify = verify
+    def stack(blocks):     # every request's block of the step, in the engine's order of requests
+        for tokens, probs, target_rows, _, _ in blocks:
+            if len(tokens):     # target rows at temperature 1: probabilities, as verification reads them
+                qs.append(float(1 - 0.5 * (probs[0].float() - target_rows[0].float()).abs().sum()))
+        return plain_stack(blocks)
+    dspark.engine.stack_requests = stack
     try:
         ro = cal.collect(target, drafter, prompts, [r["domain"] for r in rows], blocks=a.blocks)
     finally:
-        dspark.engine.verify = plain_verify
+        dspark.engine.stack_requests = plain_stack
     if len(qs) != len(ro):     # one q per recorded block, in the same order, or the pairing is wrong
         raise SystemExit(f"recorded {len(qs)} first-position distributions for {len(ro)} blocks")
     q = np.array(qs)

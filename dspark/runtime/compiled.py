@@ -8,10 +8,10 @@ whole layer stack and the LM head compile into one graph: ``torch.compile`` (ind
 pointwise work of a layer into a few C++ loops, takes the weights as frozen constants, and a C++
 wrapper calls the kernels without Python between them (gpt-fast's compiled decoding step, on a
 CPU). For the products it measures, per weight shape, its own generated kernel (a micro-kernel on
-AMX tiles where the CPU has them, else AVX-512) against oneDNN's packed one (what the eager path
-runs, runtime/linear.py) and keeps the faster (max-autotune): a one-row product streams its weight
-once, and on the Intel Xeon with AMX inductor's kernel streams it about 1.5x as fast (measured in
-the commit that turned it on); elsewhere the measurement keeps whichever is faster there.
+AMX tiles) against oneDNN's packed one (what the eager path runs, runtime/linear.py) and keeps the
+faster (max-autotune): a one-row product streams its weight once, and on the Intel Xeon with AMX
+inductor's kernel streams it about 1.5x as fast (measured in the commit that turned it on). On a
+CPU without AMX the measurement is among oneDNN's kernels alone (``gemm_backends``).
 
 Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
 and a block (a verification; the row count stays symbolic, as do the context length and the cache's
@@ -52,9 +52,22 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 16
 # the context the graphs are built after (warm_up): longer than any compiled segment
 CONTEXT = MAX_ROWS + 1
-# inductor: weights as constants, each product's kernel chosen by measurement (inductor's own C++
-# template or oneDNN's), no Python between kernels
-CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def gemm_backends(amx: bool) -> str:
+    """The product kernels inductor may measure and choose from: its own C++ template beside
+    oneDNN's only where the CPU has AMX tiles. Without them the template's micro-kernel widens bf16
+    to fp32 vectors; timed alone, its weight in cache, it wins some shapes, but in a whole one-row
+    forward, every weight streaming from memory, it lost: on an AMD EPYC (Zen 5 class, AVX-512
+    BF16) the one-row graph ran at 0.79x the eager forward with it and 1.21x with oneDNN's kernels
+    alone (scripts/compiled_time.py, in the commit that made this choice)."""
+    return "CPP,ATEN" if amx else "ATEN"
+
+
+# inductor: weights as constants, each product's kernel chosen by measurement among the backends
+# above, no Python between kernels
+CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
+          "max_autotune_gemm_backends": gemm_backends(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())}
 
 
 def eligible(decoder: Decoder) -> str | None:
