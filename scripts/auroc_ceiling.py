@@ -10,7 +10,8 @@ Two settings:
   temperature-1 rollouts, full blocks, the same seeds); the events are the target's real
   verdicts on x_1, and q is computed from the very distributions that verification compared.
 
-Either way it reports the AUROC of q itself (the ceiling) and of the head's raw c_1 on the same events.
+Either way it reports the AUROC of q itself (the ceiling) and of the head's raw c_1 on the same events,
+and that of statistics of the draft distribution itself (what a head could read without learning).
 
     .venv/bin/python scripts/auroc_ceiling.py --drafter dspark --cache ~/.cache/dspark/work/smollm2-135m-instruct/cache/train
     .venv/bin/python scripts/auroc_ceiling.py --drafter dspark --heldout ~/.cache/dspark/work/smollm2-135m-instruct/prompts/heldout.jsonl
@@ -29,13 +30,20 @@ from dspark.training.calibrate import auroc
 from dspark.training.losses import target_probs
 
 
-def teacher_forced(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q, c_1, events drawn from q) on cached training sequences."""
+def draft_stats(pd: torch.Tensor) -> dict[str, np.ndarray]:
+    """What a confidence could read off the first position's draft distribution pd [n, V] itself,
+    besides the head: its largest probability and its negative entropy."""
+    pd = pd.float()
+    return {"max p_d": pd.amax(-1).numpy(), "-entropy of p_d": (pd * pd.clamp_min(1e-30).log()).sum(-1).numpy()}
+
+
+def teacher_forced(a, target) -> tuple[np.ndarray, np.ndarray, list, dict]:
+    """(q, c_1, events drawn from q, draft statistics) on cached training sequences."""
     model = load_drafter(a.drafter, target).model.float().eval()
     if getattr(model, "confidence", None) is None:
         raise SystemExit(f"drafter {a.drafter!r} has no confidence head")
     src = CacheReader(a.cache)
-    qs, cs = [], []
+    qs, cs, stats = [], [], []
     with torch.no_grad():
         for i in range(max(0, len(src) - a.sequences), len(src)):
             seq = src[i]
@@ -49,26 +57,31 @@ def teacher_forced(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                                        model.config.final_logit_softcap)
             qs.append((1 - 0.5 * ((pd - pt).abs().sum(-1) + outside)).numpy())
             cs.append(torch.sigmoid(conf[:, 0].float()).numpy())
+            stats.append(draft_stats(pd))
     q, c = np.concatenate(qs), np.concatenate(cs)
     rng = np.random.default_rng(0)
-    return q, c, [(rng.random(q.shape) < q).astype(np.float64) for _ in range(a.draws)]
+    return (q, c, [(rng.random(q.shape) < q).astype(np.float64) for _ in range(a.draws)],
+            {k: np.concatenate([s[k] for s in stats]) for k in stats[0]})
 
 
-def rollouts(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q, c_1, the target's verdicts on x_1) on calibrate's held-out evaluation rollouts."""
+def rollouts(a, target) -> tuple[np.ndarray, np.ndarray, list, dict]:
+    """(q, c_1, the target's verdicts on x_1, draft statistics) on calibrate's held-out evaluation
+    rollouts; the statistics include p_d(x_1), the drafter's probability of the token it drew (known
+    once x_1 is drawn, before verification)."""
     from dspark.api import encode_prompt
     from dspark.training import calibrate as cal
     from dspark.training.prompts import read_prompts
     drafter = load_drafter(a.drafter, target)
     _, rows = cal.split_rows(read_prompts(a.heldout))
     prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in rows]
-    qs = []
+    qs, stats = [], []
     plain_stack = dspark.engine.stack_requests
 
     def stack(blocks):     # every request's block of the step, in the engine's order of requests
         for tokens, probs, target_rows, _, _ in blocks:
             if len(tokens):     # target rows at temperature 1: probabilities, as verification reads them
                 qs.append(float(1 - 0.5 * (probs[0].float() - target_rows[0].float()).abs().sum()))
+                stats.append({**draft_stats(probs[:1]), "p_d(x_1)": np.array([float(probs[0, int(tokens[0])])])})
         return plain_stack(blocks)
     dspark.engine.stack_requests = stack
     try:
@@ -78,7 +91,8 @@ def rollouts(a, target) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if len(qs) != len(ro):     # one q per recorded block, in the same order, or the pairing is wrong
         raise SystemExit(f"recorded {len(qs)} first-position distributions for {len(ro)} blocks")
     q = np.array(qs)
-    return q, 1 / (1 + np.exp(-ro.z[:, 0])), [(ro.accepted > 0).astype(np.float64)]
+    return (q, 1 / (1 + np.exp(-ro.z[:, 0])), [(ro.accepted > 0).astype(np.float64)],
+            {k: np.concatenate([s[k] for s in stats]) for k in stats[0]})
 
 
 def main() -> None:
@@ -95,11 +109,13 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = load_target(None, dtype="bf16")
-    q, c, events = teacher_forced(a, target) if a.cache else rollouts(a, target)
+    q, c, events, stats = teacher_forced(a, target) if a.cache else rollouts(a, target)
     ceiling = [auroc(q, y) for y in events]
     head = [auroc(c, y) for y in events]
     print(f"blocks {len(q)}, mean acceptance {q.mean():.3f} (sd {q.std():.3f}); AUROC at position 1: "
           f"ceiling {np.mean(ceiling):.3f}, head {np.mean(head):.3f}; corr(c_1, q) {np.corrcoef(c, q)[0, 1]:.3f}")
+    print("AUROC of the draft distribution's own statistics: " + ", ".join(
+        f"{k} {np.mean([auroc(v, y) for y in events]):.3f}" for k, v in stats.items()))
 
 
 if __name__ == "__main__":
