@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--targets", "--target", default="1.8",
                     help="each figure's target, where its fitted line is extrapolated to (comma-separated)")
     ap.add_argument("--ylabels", default=None, help="each panel's axis label (separated by ';')")
-    ap.add_argument("--label", default=None, help="legend of the target line (default: 'target X')")
+    ap.add_argument("--label", default=None, help="legend of the target line, every panel's (default: 'target X', each panel's own)")
     ap.add_argument("--title", default="the committed drafters, stage by stage")
     ap.add_argument("--out", default=None, help="PNG to write")
     ap.add_argument("--name", default="DSpark", help="the fitted lineage's name in the legend")
