@@ -133,7 +133,7 @@ class _Sampling(_Body):
     """Fields shared by both endpoints."""
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="below 1e-5: greedy, as 0")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1, description="vLLM extension: 0 or -1 = off")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -149,7 +149,8 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0, description="vLLM extension: no stop token before this many tokens")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM extension: 1 = off")
+    repetition_penalty: float = Field(1.0, ge=1e-6, le=1e6, allow_inf_nan=False,
+                                      description="vLLM extension: 1 = off")
     logit_bias: dict[str, float] | None = Field(
         None, description="token id -> bias in [-100, 100], added to its logit",
         json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,18}$"},     # what _bias checks, in the schema

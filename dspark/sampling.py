@@ -16,6 +16,11 @@ import torch
 from .errors import UsageError
 
 MAX_SEED = 2 ** 64 - 1   # torch.Generator.manual_seed takes 0 .. 2**64 - 1
+# a temperature below this is greedy, as in vLLM (_SAMPLING_EPS): dividing logits by less
+# overflows fp32, and the law it would define differs from the argmax's only at exact ties
+GREEDY_BELOW = 1e-5
+# the repetition penalty divides or multiplies logits: outside this range they leave fp32's range
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,14 @@ class SamplingParams:
             if not isinstance(b, (int, float)) or math.isnan(b) or not -100 <= b <= 100:
                 raise UsageError(f"logit bias values must be in [-100, 100], got {b!r}")
         r = self.repetition_penalty
-        if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r) or r <= 0:
-            raise UsageError(f"repetition penalty must be a finite number > 0, got {r!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not isinstance(r, (int, float)) or math.isnan(r) or not lo <= r <= hi:
+            raise UsageError(f"repetition penalty must be in [{lo:g}, {hi:g}], got {r!r}")
         t, k, p = self.temperature, self.top_k, self.top_p
         if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
             raise UsageError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(k, int) or isinstance(k, bool) or k < -1:
             raise UsageError(f"top-k must be an integer >= -1 (0 or -1 = off), got {k!r}")
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
@@ -122,8 +130,11 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def _beyond_top_p(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """For probabilities sorted largest first: the tokens whose predecessors already reach top_p."""
-    return (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    """For probabilities sorted largest first: the tokens whose predecessors already reach top_p
+    (never the first: a top_p below fp32's smallest number rounds to 0, which the first reaches)."""
+    drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    drop[..., 0] = False
+    return drop
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

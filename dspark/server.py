@@ -53,7 +53,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 from .sampling import SamplingParams
 from .server_door import (DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PROMPTS, ApiError, Door, errors, json_body, parse_body)
 from .server_door import text as _text
-from .structured import check as check_grammar
+from .grammar_sandbox import SERVER_STACK, GrammarSandbox
 from .structured import grammar_state
 
 if TYPE_CHECKING:
@@ -325,6 +325,11 @@ class Server:
         self.worker = EngineWorker(engine, self.metrics)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
+        # requests' grammars are compiled and checked in a child process (grammar_sandbox.py); the
+        # threads started from here on get the stack that sandbox's margin is measured against
+        self.grammars = GrammarSandbox(self.tokenizer, target.model.config.vocab_size, target.eos_token_ids)
+        if threading.stack_size() < SERVER_STACK:
+            threading.stack_size(SERVER_STACK)
 
     # ------------------------------------------------------------------ requests -> jobs
     def check(self, body) -> None:
@@ -369,16 +374,15 @@ class Server:
 
     def grammar(self, body) -> str | None:
         """The request's structured-output constraint compiled (once for all its choices) and
-        checked against the parser limits on this target's tokenizer (structured.check), or None.
-        Blocks for up to a few seconds on a pathological grammar: handlers run it in a thread."""
+        checked against the parser limits on this target's tokenizer, in the grammar sandbox, or
+        None. Blocks for up to the sandbox's timeout on a pathological grammar: handlers run it in
+        a thread."""
         param = "structured_outputs" if body.structured_outputs is not None else "response_format"
         try:
             spec = body.grammar_spec()
             if spec is None:
                 return None
-            text = spec.compile()
-            check_grammar(self.target, text, spec.kind)
-            return text
+            return self.grammars.compile(spec.kind, spec.value)
         except (ValueError, DsparkError) as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
@@ -642,12 +646,14 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
 
     @asynccontextmanager
     async def lifespan(app):
+        srv.grammars.start()
         if engine_thread:
             srv.worker.start()
         try:
             yield
         finally:
             srv.worker.close()
+            srv.grammars.close()
 
     app = FastAPI(title="dspark", version="0.1.0", lifespan=lifespan)
     app.state.server = srv

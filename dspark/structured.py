@@ -17,106 +17,30 @@ Where the grammar forces the next tokens (jump-forward decoding), the engine pro
 instead of the drafter's block unless the block starts with them: a proposal chosen from the
 grammar's state alone, verified as any other.
 
-Every matcher runs under llguidance's parser limits (``parser_limits``: its default fuel and size
-budgets, short error messages); a server checks a request's grammar against them before admitting
-it (``check``), so that a grammar too complex for them is refused at the door rather than failing
-its request at some token.
+Every matcher runs under llguidance's parser limits (``grammar.parser_limits``: its default fuel
+and size budgets, short error messages); a server compiles and checks a request's grammar against
+them before admitting it, in a process of its own (``grammar_sandbox.py``), so that a grammar too
+complex for them is refused at the door rather than failing its request at some token, and one that
+crashes llguidance crashes only that process.
 """
 
 from __future__ import annotations
-
-import json
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .errors import UsageError
+from .grammar import GrammarSpec, check_on, one_line, parser_limits
 
-KINDS = ("json", "regex", "choice", "grammar")
-CHECK_STEPS = 8      # mask computations the door check runs (the first token and what follows it)
-
-
-def parser_limits():
-    """llguidance's limits every matcher runs under: its default fuel and size budgets (lexer fuel
-    for the initial regexes and per mask, Earley items per mask, lexer states, grammar size), and
-    one-line errors (the verbose ones carry a dump of the parser's state and the grammar)."""
-    from llguidance import LLParserLimits
-    return LLParserLimits(verbose_errors=False)
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What the output must match: ``kind`` json (``value`` a JSON schema, a dict or its text),
-    regex (a pattern the whole output matches), choice (a list of strings, the output is one of
-    them) or grammar (a Lark grammar, llguidance's dialect)."""
-
-    kind: str
-    value: object
-
-    def compile(self) -> str:
-        """llguidance's grammar text; a UsageError naming the problem when it does not compile."""
-        from llguidance import LLMatcher
-        try:
-            if self.kind == "json":
-                schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-                if not isinstance(schema, dict):
-                    raise UsageError("a JSON schema must be a JSON object")
-                text = LLMatcher.grammar_from_json_schema(schema)
-            elif self.kind == "regex":
-                if not isinstance(self.value, str) or not self.value:
-                    raise UsageError("regex must be a non-empty string")
-                text = LLMatcher.grammar_from_regex(self.value)
-            elif self.kind == "choice":
-                if (not isinstance(self.value, (list, tuple)) or not self.value
-                        or not all(isinstance(c, str) and c for c in self.value)):
-                    raise UsageError("choice must be a non-empty list of non-empty strings")
-                text = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
-            elif self.kind == "grammar":
-                if not isinstance(self.value, str) or not self.value.strip():
-                    raise UsageError("grammar must be a non-empty Lark grammar")
-                text = LLMatcher.grammar_from_lark(self.value)
-            else:
-                raise UsageError(f"unknown structured output kind {self.kind!r}: use one of {', '.join(KINDS)}")
-        except (ValueError, TypeError) as e:    # json.JSONDecodeError is a ValueError
-            raise UsageError(f"invalid {self.kind}: {_one_line(str(e))}") from None
-        bad, messages = LLMatcher.validate_grammar_with_warnings(text)
-        if bad:
-            raise UsageError(f"invalid {self.kind}: {_one_line('; '.join(messages))}")
-        return text
-
-
-def _one_line(message: str) -> str:
-    return " ".join(message.replace("<non-verbose/>", "").split())
+__all__ = ["GrammarSpec", "GrammarState", "check", "grammar_state", "grammar_tokenizer"]
 
 
 def check(target, grammar: str, kind: str = "grammar") -> None:
     """Refuse (UsageError) a compiled grammar that llguidance rejects or that exceeds the parser
-    limits on this target's tokenizer: validated with the tokenizer and the limits, then a matcher
-    takes up to CHECK_STEPS steps the way decoding would (the first mask, then the tokens the
-    grammar forces or else the first allowed one), which builds the lexer states the first tokens
-    need (a regex such as ``(a{1000}){1000}`` compiles, then fails there). The first mask of such a
-    grammar can take seconds (a server runs this off its event loop); a failure further on ends its
-    request alone (engine.py, ``isolate_failures``)."""
-    from llguidance import LLMatcher
-    tokenizer = grammar_tokenizer(target)
-    bad, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
-    if bad:
-        raise UsageError(f"invalid {kind}: {_one_line('; '.join(messages))}")
-    state = GrammarState(tokenizer, grammar, target.model.config.vocab_size, target.eos_token_ids)
-    m = state.matcher
-    for _ in range(CHECK_STEPS):
-        allowed = state.allowed_now()
-        if m.is_error() or m.is_stopped():
-            break
-        step = list(m.compute_ff_tokens()[:16])
-        if not step:
-            free = (allowed & ~state.end).nonzero()
-            step = [int(free[0])] if len(free) else []
-        if not step or not m.consume_tokens(step):
-            break
-    if m.is_error():
-        raise UsageError(f"{kind} fails in the grammar engine on its first tokens: {_one_line(m.get_error())}")
+    limits on this target's tokenizer (grammar.check_on). In this process: a server runs the same
+    check in its grammar sandbox instead (grammar_sandbox.py), where a grammar that crashes
+    llguidance takes down only the sandbox."""
+    check_on(grammar_tokenizer(target), grammar, kind, target.model.config.vocab_size, target.eos_token_ids)
 
 
 def grammar_tokenizer(target):
@@ -141,7 +65,7 @@ class GrammarState:
         from llguidance import LLMatcher
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if self.matcher.is_error():
-            raise UsageError(f"invalid grammar: {_one_line(self.matcher.get_error())}")
+            raise UsageError(f"invalid grammar: {one_line(self.matcher.get_error())}")
         self.vocab_size = vocab_size
         self.end = torch.zeros(vocab_size, dtype=torch.bool)
         self.end[list(end_ids)] = True

@@ -173,6 +173,58 @@ def test_a_good_grammar_still_passes_the_door(server):
     assert set(out["choices"][0]["text"].replace("ab", "")) <= {"c"}
 
 
+def _lark_chain(n):
+    return "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "x"\n'
+
+
+def _ref_chain(n):
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+# grammars that overflow llguidance's stack (SIGSEGV in whatever process compiles them), and JSON
+# nested deeper than Python's recursion limit
+DEEP = [({"structured_outputs": {"grammar": _lark_chain(10_000)}}, "structured_outputs", "grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _ref_chain(3_000)}}},
+         "response_format", "json"),
+        ({"structured_outputs": {"json": _ref_chain(3_000)}}, "structured_outputs", "json")]
+
+
+def test_grammars_that_crash_llguidance_are_a_400_and_others_decode_on(server):
+    """Each hostile grammar is sent while greedy streams decode: each gets a 400 naming its field,
+    the sandbox restarts, the streams' tokens equal a run without them, and a normal grammar still
+    compiles afterwards."""
+    url, srv = server
+    baseline = _greedy_runs(server, PROMPTS[:3])
+    restarts = srv.grammars.restarts
+    results: list = []
+
+    def hostile():
+        for body, field, _ in DEEP:
+            results.append((post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 4, **body}), field))
+    t = threading.Thread(target=hostile)
+    t.start()
+    got = _greedy_runs(server, PROMPTS[:3])
+    t.join(300)
+    assert got == baseline
+    assert len(results) == len(DEEP)
+    for (status, out), field in results:
+        assert_400(out, status, field, "too complex")
+    assert srv.grammars.restarts >= restarts + 2        # the two chains crashed the sandbox, not the server
+    test_a_good_grammar_still_passes_the_door(server)
+    answers(url)
+
+
+def test_a_schema_nested_nearly_as_deep_as_the_door_allows_is_a_400(server):
+    url, _ = server
+    deep = '{"type": "array", "items": ' * 900 + '{"type": "string"}' + "}" * 900
+    status, _, out = raw(url + "/v1/completions",
+                      ('{"prompt": "hi", "max_tokens": 4, "structured_outputs": {"json": ' + deep + "}}").encode())
+    assert status == 400 and "structured_outputs" in out, out
+    answers(url)
+
+
 def _greedy_runs(server, prompts, extra=None):
     """Each prompt streamed concurrently (greedy, 40 tokens), plus ``extra`` (a body) among them;
     {prompt: (text, finish reasons, errors, the engine's output token ids)} and extra's (text,
@@ -211,7 +263,7 @@ def test_a_grammar_failing_in_the_engine_ends_its_request_alone(server, monkeypa
     as it would have without it, and the server still answers."""
     url, srv = server
     baseline = _greedy_runs(server, PROMPTS[:3])
-    monkeypatch.setattr(dspark.server, "check_grammar", lambda *a, **k: None)
+    monkeypatch.setattr(srv.grammars, "compile", lambda kind, value: GrammarSpec(kind, value).compile())
     bad = {"prompt": "x", "max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": BAD_REGEX}}
     got = _greedy_runs(server, PROMPTS[:3], bad)
     text, reasons, errors = got.pop(None)
@@ -460,3 +512,28 @@ def test_the_engine_verifies_a_step_in_one_call_and_a_nan_ends_its_request_alone
     want = [ref.add_request(r.prompt_ids, p, 12) for r, p in zip(good, params)]
     ref.run()
     assert [r.output_ids for r in good] == [r.output_ids for r in want]
+
+
+# ------------------------------------------------------------------------------ numbers at fp32's edge
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [1e-38, 1e-45, 5e-324, 1e-300])
+def test_sampling_numbers_near_zero_decode_as_their_limit(server, field, value):
+    """A temperature under 1e-5 is greedy (vLLM's rule); a top_p under fp32's smallest number keeps
+    the most likely token: both give greedy's tokens, never a NaN, a 500 or a garbage token."""
+    url, _ = server
+    body = {"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True, "seed": 1}
+    status, greedy = post(url + "/v1/completions", {**body, "temperature": 0})
+    status2, out = post(url + "/v1/completions", {**body, field: value, "temperature": value if field ==
+                                                  "temperature" else 1.0})
+    assert status == 200 and status2 == 200, out
+    assert out["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("value", [1e-38, 5e-324, 1e-7, 1e7])
+def test_a_repetition_penalty_outside_fp32s_range_is_a_400(server, value):
+    url, _ = server
+    for stream in (False, True):
+        status, out = post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 4, "repetition_penalty": value,
+                                                     "stream": stream})
+        assert_400(out, status, "repetition_penalty")
+    answers(url)
