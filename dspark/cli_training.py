@@ -192,6 +192,9 @@ def add_parsers(sub, h) -> None:
     e.add_argument("--seed", type=h._int, default=0)
     e.add_argument("--block", type=h._positive_int, default=7)
     e.add_argument("--concurrency", type=h._positive_int, default=8, help="prompts decoded at once")
+    e.add_argument("--exact-seeds", action="store_true",
+                   help="verify as seeded requests are served (drafts as point masses at the verifier's draws: "
+                        "the text is plain decoding's); default: rejection sampling, the method's acceptance")
     e.add_argument("--markdown", default=None, help="write the tau table here")
     e.add_argument("--plot", default=None, help="write the conditional-acceptance PNG here")
     e.add_argument("--json", action="store_true")
@@ -398,7 +401,7 @@ def cmd_eval(args) -> int:
         out = acceptance.evaluate(target, drafters, datasets, num_prompts=args.num_prompts,
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   seed=args.seed, block=args.block, concurrency=args.concurrency,
-                                  log=lambda m: print(m, file=sys.stderr))
+                                  log=lambda m: print(m, file=sys.stderr), exact_seed=args.exact_seeds)
     table = acceptance.markdown(out)
     print(table, file=sys.stderr)
     for c in out["ratios"]:

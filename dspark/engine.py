@@ -45,7 +45,8 @@ from .errors import UsageError
 from .metrics import GenerationStats
 from .runtime.model import Decoder
 from .runtime.prefix_cache import PrefixCache
-from .sampling import SamplingParams, penalised_logits, sample_from_logits, token_logprobs
+from .sampling import (SamplingParams, penalised_logits, probs_from_logits, race_sample, sample_from_logits,
+                       token_logprobs)
 from .scheduling.base import Policy, RequestOutcome, StepOutcome
 from .scheduling.policies import FixedPolicy
 from .verify import stack_requests, target_rows, verify, verify_batch
@@ -67,7 +68,12 @@ class RequestOptions:
     ``min_tokens``: the stop tokens have probability 0 until the output holds that many (the law
     the output then follows, which speculative decoding reproduces like any other); ``grammar``: a
     structured.GrammarState of this request alone (it advances with the output, so options that
-    carry one serve one request), whose allowed tokens restrict the law at every position."""
+    carry one serve one request), whose allowed tokens restrict the law at every position.
+    ``exact_seed``: a seeded sampled request's text is plain decoding's with that seed, whatever
+    drafted it and whatever shared its steps (each token drawn by a race keyed by the seed and its
+    position, its drafts accepted while they equal that token); False: verified by rejection sampling, the method's own
+    acceptance, reproducible only for the same drafter, history and batch (what `dspark eval` and
+    `dspark calibrate` measure)."""
 
     params: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 128
@@ -76,6 +82,7 @@ class RequestOptions:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     grammar: GrammarState | None = None
+    exact_seed: bool = True
 
 
 @dataclass
@@ -92,6 +99,10 @@ class Request:
     slot: int | None = None
     prefilled: int = 0
     generator: torch.Generator | None = None
+    # a seeded sampled request (RequestOptions.exact_seed): every token it emits is drawn by
+    # sampling.race_sample keyed by its seed and position, so its text is plain decoding's with that
+    # seed whatever drafted and whatever shared its steps
+    exact: bool = False
     ctx: DraftContext | None = None
     t_start: float = 0.0
     prompt_features: list = field(default_factory=list)   # target features of prefilled chunks
@@ -210,6 +221,7 @@ class Engine:
         stops = self.eos_ids if options.stop_ids is None else frozenset(options.stop_ids)
         req = Request(list(prompt_ids), dataclasses.replace(options, stop_ids=stops), on_tokens)
         req.generator = options.params.generator(self.target.device)
+        req.exact = options.params.seed is not None and not options.params.greedy and options.exact_seed
         req.t_start = time.perf_counter()
         self.waiting.append(req)
         return req
@@ -446,6 +458,9 @@ class Engine:
         rows, kept = [], []
         for i, (r, p, logits) in enumerate(zip(decode, proposals, blocks)):
             try:      # its law: its penalties, its grammar, its sampling settings
+                if r.exact:
+                    verdicts[i] = self._verify_exact(r, p, logits)
+                    continue
                 rows.append((p.tokens, p.probs, target_rows(self._law(r, logits, p.tokens), r.params),
                              r.params.greedy, r.generator))
                 kept.append(i)
@@ -519,14 +534,18 @@ class Engine:
                 if not c.completes:
                     continue
                 assert logits is not None   # a completed prompt's last row was asked for
-                first, _ = sample_from_logits(self._law(r, logits[at - 1:at])[0], r.params, r.generator)
+                if r.exact:
+                    law = probs_from_logits(self._law(r, logits[at - 1:at]), r.params)
+                    first = race_sample(law, [r.params.seed], [len(r.prompt_ids)])[0]
+                else:
+                    first, _ = sample_from_logits(self._law(r, logits[at - 1:at])[0], r.params, r.generator)
             except Exception as e:     # its grammar, its sampling settings: it alone ends
                 self._fail(r, e)
                 ended.append(r)
                 continue
             r.stats.prefill_seconds = time.perf_counter() - r.t_start
             r.ctx = DraftContext(list(r.prompt_ids), r.params, r.generator, 0, features=r.prompt_features,
-                                 grammar=r.grammar)
+                                 grammar=r.grammar, exact=r.exact)
             if self._emit(r, [int(first)], logits[at - 1:at]):
                 ended.append(r)
         return ended
@@ -606,6 +625,19 @@ class Engine:
                     out[i] = out[i].truncate(r.grammar.valid_prefix(out[i].tokens.tolist()))
             except Exception as e:     # its grammar: it alone ends
                 self._fail(r, e)
+
+    def _verify_exact(self, r: Request, p: Proposal, logits: torch.Tensor) -> tuple[int, int]:
+        """A seeded sampled request: at each row the token its seed and that position draw from the
+        target's law (sampling.race_sample), the drafts accepted while they equal it. Its output is
+        plain decoding's with that seed, whatever was drafted: a draft is a guess at that token,
+        which the DSpark drafter, racing its own law with the same keys, makes with probability near
+        sum min(p, q)."""
+        probs = probs_from_logits(self._law(r, logits, p.tokens), r.params)     # [l + 1, V]
+        start = len(r.prompt_ids) + len(r.output_ids)
+        ys = race_sample(probs, [r.params.seed] * probs.shape[0], list(range(start, start + probs.shape[0]))).tolist()
+        drafts = p.tokens.tolist()
+        n = next((k for k, (x, y) in enumerate(zip(drafts, ys)) if x != y), len(drafts))
+        return n, int(ys[n])
 
     def _propose(self, reqs: list[Request]) -> list[Proposal]:
         """The drafter's proposals for these requests, in one call; if that call fails (with

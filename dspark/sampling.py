@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import UsageError
@@ -154,6 +155,72 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     dev = generator.device if generator is not None else "cpu"
     u = torch.rand(flat.shape[0], generator=generator, device=dev).to(flat.device)
     return _inverse_cdf(flat, u).reshape(probs.shape[:-1])
+
+
+RACE_HEAD = 64    # race_sample: the most likely tokens race one by one, the rest as one group
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 (wrapping arithmetic): a counter-based random source."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def keyed_uniforms(seeds: list[int], positions: list[int], tokens: np.ndarray) -> np.ndarray:
+    """[n, k] uniforms in (0, 1), row i's column j a function of (seeds[i], positions[i],
+    tokens[i, j]) alone: the same token at the same position of the same seeded request draws the
+    same number, whoever asks (the drafter or the verifier) and whatever else is in the batch."""
+    with np.errstate(over="ignore"):
+        s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
+        pos = np.array(positions, dtype=np.int64).astype(np.uint64)
+        base = _mix(_mix(s ^ np.uint64(0x9E3779B97F4A7C15)) + pos * np.uint64(0xD1B54A32D192ED03))
+        z = _mix(base[:, None] ^ (tokens.astype(np.int64).astype(np.uint64) * np.uint64(0xA24BAED4963EE407)
+                                  + np.uint64(1)))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+TAIL, TAIL_PICK = -1, -2      # the keys of the tail group's race and of the pick inside it
+
+
+def race_sample(probs: torch.Tensor, seeds: list[int], positions: list[int],
+                ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One draw per row of ``probs`` [n, V] whose randomness is keyed by (seed, position, token):
+    seeded requests sample this way (engine.py, ``exact_seed``), so that their text is a function
+    of the seed alone. An exponential race: token x finishes at E(x) / p(x), E(x) = -log U(seed,
+    position, x), the first to finish is drawn (probability p(x): the Gumbel-max trick). The
+    RACE_HEAD most likely tokens race one by one; the others race as one group of their total mass
+    (its own keyed E), and if the group wins, one of them is picked in proportion to p by a keyed
+    uniform in token-id order: an exact draw either way. A drafter racing its q with the same keys
+    proposes the verifier's token with probability near sum min(p, q). ``ids`` [V]: the token id
+    of each column (a drafter's draft vocabulary); returns column indices."""
+    n, V = probs.shape
+    k = min(RACE_HEAD, V)
+    vals, idx = probs.float().topk(k, dim=-1)                            # [n, k]
+    tok = (idx if ids is None else ids.to(idx.device)[idx]).cpu().numpy()
+    E = -np.log(keyed_uniforms(seeds, positions, tok))
+    v = vals.double().cpu().numpy()
+    with np.errstate(divide="ignore"):
+        race = np.where(v > 0, E / v, np.inf)
+    win = race.argmin(-1)
+    out = idx.gather(-1, torch.as_tensor(win, device=idx.device).unsqueeze(-1)).squeeze(-1)
+    if k == V:
+        return out
+    total = probs.double().sum(-1).cpu().numpy()
+    tail = total - v.sum(-1)
+    keys = np.full((n, 1), TAIL)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        group = np.where(tail > 0, -np.log(keyed_uniforms(seeds, positions, keys))[:, 0] / tail, np.inf)
+    rows = np.flatnonzero(group < race.min(-1))
+    if len(rows):
+        r = torch.as_tensor(rows, device=probs.device)
+        rest = probs[r].double().scatter(-1, idx[r], 0.0)
+        cdf = rest.cumsum(-1)
+        u = keyed_uniforms([seeds[i] for i in rows], [positions[i] for i in rows], np.full((len(rows), 1), TAIL_PICK))
+        at = torch.as_tensor(u[:, 0], device=probs.device, dtype=torch.float64) * cdf[:, -1]
+        pick = torch.searchsorted(cdf, at.unsqueeze(-1), right=True).squeeze(-1).clamp_(max=V - 1)
+        out[r] = pick
+    return out
 
 
 def uniforms(generators: list, n: int, device="cpu") -> torch.Tensor:

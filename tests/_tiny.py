@@ -37,10 +37,10 @@ def tiny_config(kind="dspark", head="vanilla", layers=1, block=3, vocab=VOCAB, q
 
 
 def tiny_drafter_model(target: Decoder, kind="dspark", head="vanilla", draft_vocab=None, seed=1,
-                       scale=3.0, layers=1, block=3, qk_norm=False):
+                       scale=3.0, layers=1, block=3, qk_norm=False, vocab=VOCAB):
     torch.manual_seed(seed)
     cls = Eagle3Model if kind == "eagle3" else DSparkModel
-    model = cls(tiny_config(kind, head, layers, block, qk_norm=qk_norm), draft_vocab)
+    model = cls(tiny_config(kind, head, layers, block, vocab=vocab, qk_norm=qk_norm), draft_vocab)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:                      # norm weights, biases, the mask vector

@@ -103,6 +103,8 @@ def test_a_rerun_with_other_settings_is_refused(tmp_path):
             "--prompts", str(prompts)]
     from dspark.training.recipe import Plan, Recipe
     Recipe(Plan(target=str(folder), prompts=str(prompts)), tmp_path / "work", tmp_path / "out")._save()
-    with pytest.raises(UsageError, match="budget_hours"):
-        Recipe(Plan(target=str(folder), prompts=str(prompts), budget_hours=2.0), tmp_path / "work", tmp_path / "out")
+    with pytest.raises(UsageError, match="max_len"):
+        Recipe(Plan(target=str(folder), prompts=str(prompts), max_len=2048), tmp_path / "work", tmp_path / "out")
+    again = Recipe(Plan(target=str(folder), prompts=str(prompts), budget_hours=2.0), tmp_path / "work", tmp_path / "out")
+    assert again.budget == 2.0 * 3600        # a rerun may give the recipe more time
     assert main([*base, "--budget-hours", "0"]) == 2

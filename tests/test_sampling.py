@@ -159,3 +159,53 @@ def test_argmax_is_torchs_argmax_with_ties_and_nans(dtype, rows, width):
         x[2] = float("-inf")
     assert torch.equal(argmax(x), x.argmax(-1))
     assert torch.equal(argmax(x[0]), x[0].argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [6, 200])
+def test_race_sampling_matches_each_rows_distribution(vocab, monkeypatch):
+    """race_sample (the seeded requests' sampler): over 20k keys (seeds) each row's tokens follow
+    its probabilities (chi-square), through the one-by-one race and the tail group (forced by a head
+    of 3), zero-probability tokens never drawn; racing on the probabilities squared fails the test."""
+    import dspark.sampling as sampling
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab) * 2
+    probs = torch.stack([probs_from_logits(logits[0], SamplingParams(top_k=4)),
+                         probs_from_logits(logits[1], SamplingParams(top_p=0.9)),
+                         probs_from_logits(logits[2], SamplingParams())])
+    n = 20_000
+    seeds = list(range(n))
+    for head in (64, 3):
+        monkeypatch.setattr(sampling, "RACE_HEAD", head)
+        for i in range(3):
+            toks = sampling.race_sample(probs[i].expand(n, vocab), seeds, [5] * n)
+            counts = torch.bincount(toks, minlength=vocab).double().numpy()
+            assert _chi2_pvalue(counts, probs[i].double().numpy()) > 1e-3
+        squared = sampling.race_sample(probs[2].pow(2).expand(n, vocab), seeds, [5] * n)
+        with pytest.raises(AssertionError):
+            assert _chi2_pvalue(torch.bincount(squared, minlength=vocab).double().numpy(),
+                                probs[2].double().numpy()) > 1e-3
+    # keyed: the same (seed, position) draws the same token in any batch; another position draws anew
+    one = sampling.race_sample(probs[2:3], [7], [11])
+    batch = sampling.race_sample(probs, [3, 9, 7], [11, 11, 11])
+    assert int(one[0]) == int(batch[2])
+    later = sampling.race_sample(probs[2].expand(64, vocab), [7] * 64, list(range(64)))
+    assert len(set(later.tolist())) > 1
+
+
+def test_race_sampling_couples_close_laws():
+    """With the same keys, two laws draw the same token with probability between (1 - TV) / (1 + TV),
+    the Gumbel-max coupling's guarantee, and 1 - TV = sum min(p, q), the most any coupling gives
+    (here their top tokens swap ranks); independent draws agree far less often."""
+    from dspark.sampling import race_sample
+    torch.manual_seed(3)
+    logits = torch.randn(500) * 3
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(logits + torch.randn(500) * 0.5, -1)
+    n = 20_000
+    seeds = list(range(n))
+    same = (race_sample(p.expand(n, -1), seeds, [0] * n) == race_sample(q.expand(n, -1), seeds, [0] * n))
+    best = float(torch.minimum(p, q).sum())
+    independent = float((p * q).sum())
+    tv = 1 - best
+    match = float(same.double().mean())
+    assert (1 - tv) / (1 + tv) - 0.01 < match <= best + 0.01 and independent < match - 0.5, (match, best, independent)

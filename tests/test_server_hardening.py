@@ -34,7 +34,7 @@ BAD_REGEX = "(a{1000}){1000}"        # compiles; llguidance's lexer fails on its
 PROMPTS = ["The quick brown fox", "hello world, hello", "0123456789", "abc abc abc abc"]
 
 
-def _tiny_server_target(seed=0, scale=6.0):
+def _tiny_server_target(seed=0, scale=6.0, layers=2):
     """A loaded target as the server sees it: a tiny random Llama over a byte-level tokenizer (256
     bytes and an end token, no merges: any text encodes) with a chat template."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -48,7 +48,7 @@ def _tiny_server_target(seed=0, scale=6.0):
                          "{% if add_generation_prompt %}<assistant>{% endif %}")
     torch.manual_seed(seed)
     m = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+                                     num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)).eval()
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(scale)     # peaked distributions: greedy far from ties
@@ -131,6 +131,54 @@ def test_the_largest_seeds_serve_every_choice(server):
         SamplingParams(seed=2 ** 64)
     with pytest.raises(ValidationError, match="seed"):  # the door's: choice 1 would sample with 2**64
         CompletionRequest.model_validate({"prompt": "hi", "seed": 2 ** 64 - 1, "n": 2})
+
+
+def _hybrid(target):
+    """The default drafter's shape on a tiny target: n-gram lookup (also over served requests)
+    where the text repeats, a random DSpark drafter elsewhere."""
+    from dspark.drafters.dspark import DSparkDrafter
+    from dspark.drafters.hybrid import HybridDrafter
+    from _tiny import tiny_drafter_model
+    dspark_drafter = DSparkDrafter(tiny_drafter_model(target.model, scale=2.0, vocab=len(target.tokenizer)),
+                                   target.model)
+    return HybridDrafter(NgramDrafter(block_size=3), dspark_drafter, min_match=1)
+
+
+@pytest.fixture(scope="module")
+def hybrid_server():
+    target = _tiny_server_target(layers=3, scale=2.0)
+    with serving(target, _hybrid(target), max_requests=4, max_len=256) as s:
+        yield s
+
+
+def test_a_seed_fixes_the_text_alone_and_inside_a_burst(hybrid_server):
+    """A seeded temperature-1 request gives one text whatever the server served before (the n-gram
+    drafter looks up earlier answers) and whatever shares its steps: that of plain decoding with
+    its seed."""
+    url, srv = hybrid_server
+    body = {"prompt": "abc abc abc", "temperature": 1, "seed": 42, "max_tokens": 24, "ignore_eos": True}
+    ids = srv.tokenizer(body["prompt"])["input_ids"]
+    from dspark.generation import generate_ids
+    want, _ = generate_ids(srv.engine.target, ids, SamplingParams(temperature=1, seed=42), 24, PlainDrafter())
+    texts = []
+    for _ in range(10):
+        status, out = post(url + "/v1/completions", body)
+        assert status == 200, out
+        texts.append(out["choices"][0]["text"])
+    assert set(texts) == {srv.tokenizer.decode(want, skip_special_tokens=True)}
+    burst: dict = {}
+
+    def one(key, b):
+        burst[key] = post(url + "/v1/completions", b)[1]["choices"][0]["text"]
+    others = [{"prompt": p, "temperature": t, "max_tokens": 24, "ignore_eos": True, **({"seed": s} if s else {})}
+              for p, t, s in zip(PROMPTS * 2, (1, 0, 1, 0.7) * 2, (None, None, 7, 3, None, 1, 2, None))]
+    threads = [threading.Thread(target=one, args=(("seeded", i), body)) for i in range(10)]
+    threads += [threading.Thread(target=one, args=(("other", i), b)) for i, b in enumerate(others)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert {v for k, v in burst.items() if k[0] == "seeded"} == {texts[0]}
 
 
 def test_a_request_the_engine_cannot_admit_fails_alone(server, monkeypatch):

@@ -55,6 +55,10 @@ class DraftContext:
     # the request's structured.GrammarState, or None: a drafter may sample only what the grammar allows
     # (allowed_now / push / pop, undone before it returns); the proposal stays exactly its drawing law
     grammar: Any = None
+    # a seeded sampled request (engine.py, ``exact_seed``): the verifier draws each of its tokens by
+    # sampling.race_sample keyed by (params.seed, position); a drafter that races its own law with the
+    # same keys proposes that token most often
+    exact: bool = False
 
 
 class Drafter:

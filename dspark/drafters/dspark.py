@@ -33,7 +33,7 @@ from ..runtime.linear import Weight, linear, pack, serve_fast, time_kernels
 from ..runtime.attention import SlotBatch, attend
 from ..runtime.layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
 from ..runtime.model import RopeTable
-from ..sampling import argmax, probs_from_logits, sample_rows, uniforms
+from ..sampling import argmax, probs_from_logits, race_sample, sample_rows, uniforms
 from .backbone import Backbone, DrafterLayer
 from .base import DraftContext, Drafter, Proposal
 from .compiled import CompiledBlock, warm_up
@@ -379,6 +379,8 @@ class DSparkDrafter(Drafter):
                   for rows in by_params.values()]
         dev = U.device
         u = uniforms([c.generator for c in active], steps, dev)      # each request's own stream
+        # seeded sampled requests race their draft law with the verifier's keys (DraftContext.exact)
+        exact = [i for i, c in enumerate(active) if c.exact]
         toks = torch.empty(R, steps + 1, dtype=torch.long, device=dev)   # draft-vocabulary indices
         toks[:, 0] = prev                                            # column 0: the anchor
         pd = torch.empty(R, steps, vocab.numel(), device=dev)         # draft-vocabulary probabilities
@@ -411,6 +413,10 @@ class DSparkDrafter(Drafter):
                 p = probs_from_logits(logits[rows], params)
                 toks[rows, k + 1] = argmax(p) if params.greedy else sample_rows(p, u=u[rows, k])
                 pd[rows, k] = p
+            if exact:
+                e = torch.tensor(exact, device=dev)
+                toks[e, k + 1] = race_sample(pd[e, k], [active[i].params.seed for i in exact],
+                                             [len(active[i].tokens) + k for i in exact], ids=vocab)
             for i, g in grammars:
                 if i not in ends:
                     if g.push(int(vocab[toks[i, k + 1]]), allowed[i]):

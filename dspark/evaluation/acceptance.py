@@ -26,12 +26,13 @@ from ..scheduling.policies import FixedPolicy
 
 
 def run_drafter(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                seed: int, block: int, concurrency: int = 8) -> list[dict]:
+                seed: int, block: int, concurrency: int = 8, exact_seed: bool = False) -> list[dict]:
     """Per-prompt counters: rounds, accepted drafts, drafted tokens, accepted per position."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + block + 2
     engine = Engine(target.model, drafter, FixedPolicy(block), max_requests=concurrency, max_len=max_len,
                     block_size=block, eos_ids=target.eos_token_ids)
-    reqs = [engine.add_request(p, SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens)
+    reqs = [engine.add_request(p, SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens,
+                               exact_seed=exact_seed)
             for i, p in enumerate(prompts)]
     engine.run()
     out = []
@@ -82,7 +83,8 @@ def bootstrap_ratio(a: dict[str, list[dict]], b: dict[str, list[dict]], n: int =
 
 
 def evaluate(target, drafters: dict, datasets: list[str], *, num_prompts: int, max_new_tokens: int,
-             temperature: float, seed: int, block: int, concurrency: int = 8, log=None) -> dict:
+             temperature: float, seed: int, block: int, concurrency: int = 8, log=None,
+             exact_seed: bool = False) -> dict:
     prompts = {d: [encode_prompt(target.tokenizer, p, chat=True) for p in load_prompts(d, num_prompts)]
                for d in datasets}
     raw: dict[str, dict[str, list[dict]]] = {name: {} for name in drafters}
@@ -90,7 +92,8 @@ def evaluate(target, drafters: dict, datasets: list[str], *, num_prompts: int, m
     for d in datasets:
         for name, drafter in drafters.items():   # drafters side by side on each benchmark
             per = run_drafter(target, drafter, prompts[d], max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed, block=block, concurrency=concurrency)
+                              temperature=temperature, seed=seed, block=block, concurrency=concurrency,
+                              exact_seed=exact_seed)
             raw[name][d] = per
             row = {"drafter": name, "benchmark": d, "temperature": temperature, **summarize(per, block),
                    "per_prompt": [{"rounds": p["rounds"], "accepted": p["accepted"]} for p in per]}
@@ -98,7 +101,7 @@ def evaluate(target, drafters: dict, datasets: list[str], *, num_prompts: int, m
             if log:
                 log(f"{d:>14} {name:>12}: tau {row['tau']:.3f}")
     settings = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "seed": seed, "block": block}
+                "seed": seed, "block": block, **({"exact_seed": True} if exact_seed else {})}
     out = {"settings": settings, "results": results, **compare(raw, seed)}
     names = list(drafters)
     if temperature == 0 and len(names) > 1:

