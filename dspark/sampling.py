@@ -9,6 +9,7 @@ case for correctness (it has a fast path for speed).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -167,12 +168,13 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def keyed_uniforms(seeds: list[int], positions: list[int], tokens: np.ndarray) -> np.ndarray:
+def keyed_uniforms(seeds: Sequence[int | None], positions: Sequence[int], tokens: np.ndarray) -> np.ndarray:
     """[n, k] uniforms in (0, 1), row i's column j a function of (seeds[i], positions[i],
     tokens[i, j]) alone: the same token at the same position of the same seeded request draws the
-    same number, whoever asks (the drafter or the verifier) and whatever else is in the batch."""
+    same number, whoever asks (the drafter or the verifier) and whatever else is in the batch (a
+    seed of None, which no caller passes, counts as 0)."""
     with np.errstate(over="ignore"):
-        s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
+        s = np.array([(x or 0) & 0xFFFFFFFFFFFFFFFF for x in seeds], dtype=np.uint64)
         pos = np.array(positions, dtype=np.int64).astype(np.uint64)
         base = _mix(_mix(s ^ np.uint64(0x9E3779B97F4A7C15)) + pos * np.uint64(0xD1B54A32D192ED03))
         z = _mix(base[:, None] ^ (tokens.astype(np.int64).astype(np.uint64) * np.uint64(0xA24BAED4963EE407)
@@ -183,7 +185,7 @@ def keyed_uniforms(seeds: list[int], positions: list[int], tokens: np.ndarray) -
 TAIL, TAIL_PICK = -1, -2      # the keys of the tail group's race and of the pick inside it
 
 
-def race_sample(probs: torch.Tensor, seeds: list[int], positions: list[int],
+def race_sample(probs: torch.Tensor, seeds: Sequence[int | None], positions: Sequence[int],
                 ids: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of ``probs`` [n, V] whose randomness is keyed by (seed, position, token):
     seeded requests sample this way (engine.py, ``exact_seed``), so that their text is a function
@@ -216,7 +218,8 @@ def race_sample(probs: torch.Tensor, seeds: list[int], positions: list[int],
         r = torch.as_tensor(rows, device=probs.device)
         rest = probs[r].double().scatter(-1, idx[r], 0.0)
         cdf = rest.cumsum(-1)
-        u = keyed_uniforms([seeds[i] for i in rows], [positions[i] for i in rows], np.full((len(rows), 1), TAIL_PICK))
+        u = keyed_uniforms([seeds[int(i)] for i in rows], [positions[int(i)] for i in rows],
+                           np.full((len(rows), 1), TAIL_PICK))
         at = torch.as_tensor(u[:, 0], device=probs.device, dtype=torch.float64) * cdf[:, -1]
         pick = torch.searchsorted(cdf, at.unsqueeze(-1), right=True).squeeze(-1).clamp_(max=V - 1)
         out[r] = pick

@@ -665,14 +665,15 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     app.exception_handler(RequestValidationError)(_invalid)
     # the request bodies are parsed, and prompts tokenised, in worker threads: a body of some MB
     # takes seconds to parse and tokenise, which on the event loop would hold up every other request
-    app.get("/health")(health)
+    app.api_route("/health", methods=["GET", "HEAD"])(health)
     app.get("/metrics", responses=errors(401), response_class=PlainTextResponse)(metrics)
     app.get("/v1/models", responses=errors(401))(models)
     for path, route, model, extra in (("/tokenize", tokenize, TokenizeRequest, {}),
                                       ("/detokenize", detokenize, DetokenizeRequest, {}),
                                       ("/v1/completions", completions, CompletionRequest, _STREAMED),
                                       ("/v1/chat/completions", chat_completions, ChatCompletionRequest, _STREAMED)):
-        app.post(path, responses={**extra, **errors(400, 401, 404, 413, 500)}, openapi_extra=json_body(model))(route)
+        app.post(path, responses={**extra, **errors(400, 401, 404, 408, 413, 415, 500)},
+                 openapi_extra=json_body(model))(route)
     return app
 
 

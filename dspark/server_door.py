@@ -9,6 +9,7 @@ take the OpenAI API's shape, ``{"error": {"message", "type", "param", "code"}}``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from typing import Any
@@ -24,6 +25,7 @@ DEFAULT_MAX_PROMPTS = 64    # prompts in one /v1/completions request (each of th
 # a client such as urllib writes its whole body before it reads the answer, and a server that
 # closes on unread bytes makes the kernel reset the connection, so that client never sees the 413
 DRAIN_BYTES = 64 << 20
+BODY_SECONDS = 30.0         # the whole body must arrive within this (a stalled upload: 408, connection closed)
 
 
 class ApiError(Exception):
@@ -61,7 +63,9 @@ class ErrorResponse(BaseModel):
 
 _ERRORS = {400: "a malformed or unsupported request; the message names the field",
            401: "no or a wrong API key (only with --api-key)", 404: "another model's name",
+           408: "the body did not arrive within 30 s",
            413: "a body larger than the server's limit (--max-body-mb)",
+           415: "a body sent as another content type than application/json",
            500: "a failure serving this request; the server goes on"}
 
 
@@ -104,30 +108,52 @@ def _parsed(raw: bytes, model: type[BaseModel]):
 
 class Door:
     """ASGI middleware in front of the app: the API key (every route but ``/health``, and
-    ``/metrics`` when ``metrics_open``), then the body read whole up to ``max_body`` bytes (413
-    past it, before anything parses it) and handed on to the app."""
+    ``/metrics`` when ``metrics_open``; the ``Bearer`` scheme in any case, as RFC 7235 has it), a
+    JSON content type on a POST (415 for a form or text/plain: what a web page can send to a local
+    server without asking, the browser's "simple requests"), then the body read whole up to
+    ``max_body`` bytes (413 past it, before anything parses it) within BODY_SECONDS (408 for a
+    stalled upload) and handed on to the app."""
 
     def __init__(self, app, api_key: str | None, max_body: int, metrics_open: bool = False):
         self.app = app
-        self.key = None if not api_key else f"Bearer {api_key}".encode()
+        self.key = None if not api_key else api_key.encode()
         self.max_body = max_body
         self.open = {"/health"} | ({"/metrics"} if metrics_open else set())
+
+    def _authorised(self, header: bytes) -> bool:
+        scheme, _, credentials = header.strip().partition(b" ")
+        assert self.key is not None
+        return scheme.lower() == b"bearer" and secrets.compare_digest(credentials.strip(), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
         if self.key is not None and scope["path"] not in self.open:
-            if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
+            if not self._authorised(headers.get(b"authorization", b"")):
                 return await self._refuse(receive, send, ApiError(
                     401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error",
                     code="invalid_api_key"))
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
-            return await self._refuse(receive, send, self._too_large(int(declared)))
+            # past what is drained anyway, or with no body coming: answer now and close
+            return await self._refuse(receive, send, self._too_large(int(declared)),
+                                      drain=int(declared) <= DRAIN_BYTES)
+        kind = headers.get(b"content-type")
+        if scope["method"] == "POST" and kind is not None:
+            mime = kind.split(b";")[0].strip().lower()
+            if mime != b"application/json" and not mime.endswith(b"+json"):
+                return await self._refuse(receive, send, ApiError(
+                    415, f"content-type {text(kind.decode('latin-1'))!r}: send the body as application/json",
+                    param="content-type", code="unsupported_media_type"))
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_SECONDS)
+            except asyncio.TimeoutError:
+                return await self._refuse(receive, send, ApiError(
+                    408, f"the request body did not arrive within {BODY_SECONDS:g} s", code="request_timeout"),
+                    drain=False)
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -154,12 +180,16 @@ class Door:
                         code="request_too_large")
 
     @staticmethod
-    async def _refuse(receive, send, error: ApiError, more: bool = True) -> None:
+    async def _refuse(receive, send, error: ApiError, more: bool = True, drain: bool = True) -> None:
         """Answer ``error`` once the rest of the body (``more``: there is some) has been read and
-        thrown away, up to DRAIN_BYTES."""
+        thrown away, up to DRAIN_BYTES, for up to BODY_SECONDS (``drain`` False: at once); the
+        connection closes after the answer wherever some of the body may be left unread."""
         read = 0
-        while more and read <= DRAIN_BYTES:
-            message = await receive()
+        while more and drain and read <= DRAIN_BYTES:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_SECONDS)
+            except asyncio.TimeoutError:
+                break
             if message["type"] == "http.disconnect":
                 return
             read += len(message.get("body", b""))

@@ -278,3 +278,48 @@ def test_the_gauges_drop_when_a_client_goes_away_mid_step(tiny, monkeypatch, str
             assert time.time() < deadline
             time.sleep(0.01)
         assert gauges(url) == (0, 0, 2) and srv.engine.cache.num_free == srv.engine.cache.num_slots
+
+
+# ---------------------------------------------------------------------------------------------- transport
+def _exchange(url, data: bytes, wait: float = 10.0) -> bytes:
+    """Raw bytes to the server; what it answers before closing or ``wait`` seconds."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+    return out
+
+
+def test_transport_refuses_what_a_web_page_or_a_stalled_client_sends(tiny, monkeypatch):
+    """415 for a body sent as a form or text/plain (what any web page can send a local server);
+    408 and a closed connection for a body that stalls; a 413 at once for a Content-Length past the
+    limit with no body behind it; HEAD /health; the Bearer scheme in any case."""
+    monkeypatch.setattr(dspark.server_door, "BODY_SECONDS", 1.0)
+    with serving(tiny, NgramDrafter(block_size=3), max_len=128, api_key="sesame", max_body_mb=1) as (url, _):
+        key = {"authorization": "Bearer sesame"}
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            status, _, body = raw(url + "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}',
+                                  {**key, "content-type": kind})
+            assert status == 415 and json.loads(body)["error"]["param"] == "content-type", body
+        status, _, body = raw(url + "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}',
+                              {**key, "content-type": "application/json; charset=utf-8"})
+        assert status == 200, body
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            assert get(url + "/v1/models", {"authorization": f"{scheme} sesame"})[0] == 200
+        assert get(url + "/v1/models", {"authorization": "Basic sesame"})[0] == 401
+        head = urllib.request.urlopen(urllib.request.Request(url + "/health", method="HEAD"), timeout=10)
+        assert head.status == 200
+        t = time.monotonic()
+        out = _exchange(url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"authorization: Bearer sesame\r\ncontent-length: 100\r\n\r\n{\"prompt\"")
+        assert out.startswith(b"HTTP/1.1 408") and time.monotonic() - t < 8, out[:200]
+        t = time.monotonic()
+        out = _exchange(url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"authorization: Bearer sesame\r\ncontent-length: 99999999999\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 413") and time.monotonic() - t < 0.9, out[:200]
+        assert get(url + "/health")[0] == 200

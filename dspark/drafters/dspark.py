@@ -414,9 +414,9 @@ class DSparkDrafter(Drafter):
                 toks[rows, k + 1] = argmax(p) if params.greedy else sample_rows(p, u=u[rows, k])
                 pd[rows, k] = p
             if exact:
-                e = torch.tensor(exact, device=dev)
-                toks[e, k + 1] = race_sample(pd[e, k], [active[i].params.seed for i in exact],
-                                             [len(active[i].tokens) + k for i in exact], ids=vocab)
+                ex = torch.tensor(exact, device=dev)
+                toks[ex, k + 1] = race_sample(pd[ex, k], [active[i].params.seed for i in exact],
+                                              [len(active[i].tokens) + k for i in exact], ids=vocab)
             for i, g in grammars:
                 if i not in ends:
                     if g.push(int(vocab[toks[i, k + 1]]), allowed[i]):
