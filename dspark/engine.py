@@ -173,8 +173,9 @@ class _Batch:
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
-                 prefill_chunk: int = 2048, eos_ids=(), padded: bool = False, cost_table=None,
-                 prefix_caching: bool = False, prefix_min_match: int = 16, isolate_failures: bool = False):
+                 prefill_chunk: int = 2048, score_chunk: int = 256, eos_ids=(), padded: bool = False,
+                 cost_table=None, prefix_caching: bool = False, prefix_min_match: int = 16,
+                 isolate_failures: bool = False):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
         self.target = target
@@ -182,6 +183,10 @@ class Engine:
         self.policy = policy or FixedPolicy()
         self.block_size = self.drafter.block_size if block_size is None else block_size
         self.prefill_chunk = prefill_chunk
+        # prompt rows scored per step at most (prompt log probabilities, echo: each a vocabulary-wide
+        # row of the LM head, log-softmax and top-k), so that such a request's prompt is spread over
+        # steps and the requests decoding beside it wait one short step at a time
+        self.score_chunk = score_chunk
         self.eos_ids = frozenset(eos_ids)
         # padded=True pads every request's block to the longest one in the step (the layout of a
         # dense [batch, block] verification), only to measure what the ragged layout saves
@@ -387,7 +392,8 @@ class Engine:
     def _layout(self, decode: list[Request], proposals: list[Proposal], prefill: list[Request]) -> _Batch:
         """The step's ragged batch: each decoding request's anchor and verified drafts (all their
         rows wanted), then chunks of the prefilling prompts up to ``prefill_chunk`` tokens in all
-        (the rows of the prompt log probabilities asked for, and a completed prompt's last row)."""
+        (the rows of the prompt log probabilities asked for, ``score_chunk`` at most, and a
+        completed prompt's last row)."""
         b = _Batch()
         width = max((len(p) for p in proposals), default=0)
         for r, p in zip(decode, proposals):
@@ -402,12 +408,16 @@ class Engine:
                 n = width + 1
             b.segments.append((r.slot, n))
             b.sent.append(n)
-        budget = max(self.prefill_chunk, 1)
+        budget, scores = max(self.prefill_chunk, 1), max(self.score_chunk, 1)
         for r in prefill:
             if budget <= 0:
                 break
             assert r.slot is not None   # a running request holds a slot
             n = min(budget, len(r.prompt_ids) - r.prefilled)
+            if r.prompt_logprobs is not None:       # scored rows: at most ``scores`` more this step
+                if scores <= 0:
+                    continue
+                n = min(n, scores)
             start = len(b.ids)
             b.ids.extend(r.prompt_ids[r.prefilled:r.prefilled + n])
             b.segments.append((r.slot, n))
@@ -416,6 +426,7 @@ class Engine:
             b.rows.extend(range(start, start + scored))
             r.prefilled += n
             budget -= n
+            scores -= scored
             completes = r.prefilled == len(r.prompt_ids)
             if completes:
                 b.rows.append(len(b.ids) - 1)

@@ -305,3 +305,30 @@ def test_request_options_are_one_type_whichever_way_they_are_given():
         engine.add_request([1], params)
     with pytest.raises(UsageError, match="min_tokens"):
         engine.add_request([1], RequestOptions(params, 4, min_tokens=-1))
+
+
+def test_a_long_scored_prompt_is_spread_over_steps_and_others_decode_meanwhile():
+    """A prompt with prompt log probabilities (echo) is prefilled ``score_chunk`` scored rows at a
+    time, so a request decoding beside it gets a token in every step while it prefills; its log
+    probabilities are those of one whole prefill."""
+    target = _tiny(0, vocab=11, scale=2.0)
+    long_prompt = [(3 * i) % 11 for i in range(120)]
+    engine = Engine(target, None, FixedPolicy(), max_requests=3, max_len=256, score_chunk=16)
+    steps: list[int] = []
+    streaming = engine.add_request([1, 2, 3], SamplingParams(temperature=0), 40,
+                                   on_tokens=lambda toks: steps.append(engine.num_steps))
+    engine.step()
+    engine.step()
+    echo = engine.add_request(long_prompt, SamplingParams(temperature=0), 1, prompt_logprobs=2)
+    first = engine.num_steps
+    while echo.status != "finished":
+        engine.step()
+    prefill_steps = engine.num_steps - first
+    assert prefill_steps >= len(long_prompt) // 16
+    during = [s for s in steps if first < s <= first + prefill_steps]
+    assert len(during) >= prefill_steps - 1 and not streaming.done   # a token in every step meanwhile
+    whole = Engine(target, None, FixedPolicy(), max_requests=1, max_len=256, score_chunk=1 << 30)
+    ref = whole.add_request(long_prompt, SamplingParams(temperature=0), 1, prompt_logprobs=2)
+    whole.run()
+    assert [lp for lp, _ in echo.prompt_logprobs_out] == pytest.approx([lp for lp, _ in ref.prompt_logprobs_out],
+                                                                       abs=1e-5)

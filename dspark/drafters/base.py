@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, argmax, race_sample, sample
 
 
 @dataclass
@@ -59,6 +59,18 @@ class DraftContext:
     # sampling.race_sample keyed by (params.seed, position); a drafter that races its own law with the
     # same keys proposes that token most often
     exact: bool = False
+
+
+def draft_token(p: torch.Tensor, ctx: DraftContext, k: int, ids: torch.Tensor | None = None) -> int:
+    """The k-th draft (0: the one after the anchor) from its law ``p`` [V] (column j is token
+    ids[j], or j): its argmax for a greedy request, the race keyed by the request's seed and the
+    draft's position for a seeded one (``DraftContext.exact``), else a draw from its generator;
+    returns the column."""
+    if ctx.params.greedy:
+        return int(argmax(p))
+    if ctx.exact:
+        return int(race_sample(p[None], [ctx.params.seed], [len(ctx.tokens) + k], ids=ids)[0])
+    return int(sample(p, ctx.generator))
 
 
 class Drafter:

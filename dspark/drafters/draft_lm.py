@@ -13,8 +13,8 @@ import torch
 
 from ..runtime.kv_cache import KVCache
 from ..runtime.model import Decoder
-from ..sampling import sample_from_logits
-from .base import DraftContext, Drafter, Proposal
+from ..sampling import probs_from_logits
+from .base import DraftContext, Drafter, Proposal, draft_token
 
 
 class DraftLMDrafter(Drafter):
@@ -73,14 +73,15 @@ class DraftLMDrafter(Drafter):
             for i, ctx in enumerate(active):
                 if step >= ctx.num_draft:
                     continue
-                tok, p = sample_from_logits(logits[i], ctx.params, ctx.generator)
-                drafted[i].append(int(tok))
+                p = probs_from_logits(logits[i], ctx.params)
+                tok = draft_token(p, ctx, step)
+                drafted[i].append(tok)
                 probs[i].append(p)
                 if step + 1 < ctx.num_draft:  # the last draft never needs to be fed
-                    feed.append(int(tok))
+                    feed.append(tok)
                     feed_seg.append((ctx.state["slot"], 1))
                     feed_idx.append(i)
-                    ctx.state["cached"].append(int(tok))
+                    ctx.state["cached"].append(tok)
             if not feed:
                 break
             out = self.model(torch.tensor(feed, dtype=torch.long), feed_seg, cache)

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sampling import argmax, probs_from_logits, sample
+from ..sampling import probs_from_logits
 from .backbone import DrafterLayer
-from .base import DraftContext, Proposal
+from .base import DraftContext, Proposal, draft_token
 from .config import DrafterConfig
 from .dspark import DSparkDrafter, DSparkModel
 
@@ -165,7 +165,7 @@ class Eagle3Drafter(DSparkDrafter):
             for s in range(steps):
                 logits = m.base_logits(m.backbone.norm(h)[None]).float()[0]
                 p = probs_from_logits(logits, c.params)
-                t = int(argmax(p)) if c.params.greedy else int(sample(p, c.generator))
+                t = draft_token(p, c, s, ids=vocab)
                 probs[s, vocab] = p
                 toks.append(int(vocab[t]))
                 if s + 1 < steps:
