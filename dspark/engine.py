@@ -173,7 +173,8 @@ class _Batch:
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
-                 prefill_chunk: int = 2048, score_chunk: int = 256, eos_ids=(), padded: bool = False,
+                 prefill_chunk: int = 2048, decoding_chunk: int = 512, score_chunk: int = 256, eos_ids=(),
+                 padded: bool = False,
                  cost_table=None, prefix_caching: bool = False, prefix_min_match: int = 16,
                  isolate_failures: bool = False):
         if max_requests < 1 or max_len < 2:
@@ -183,6 +184,9 @@ class Engine:
         self.policy = policy or FixedPolicy()
         self.block_size = self.drafter.block_size if block_size is None else block_size
         self.prefill_chunk = prefill_chunk
+        # prompt tokens per step while other requests decode: a step's time is mostly its tokens', and
+        # the requests decoding wait for the whole step, so a long prompt goes in smaller chunks then
+        self.decoding_chunk = decoding_chunk
         # prompt rows scored per step at most (prompt log probabilities, echo: each a vocabulary-wide
         # row of the LM head, log-softmax and top-k), so that such a request's prompt is spread over
         # steps and the requests decoding beside it wait one short step at a time
@@ -392,8 +396,8 @@ class Engine:
     def _layout(self, decode: list[Request], proposals: list[Proposal], prefill: list[Request]) -> _Batch:
         """The step's ragged batch: each decoding request's anchor and verified drafts (all their
         rows wanted), then chunks of the prefilling prompts up to ``prefill_chunk`` tokens in all
-        (the rows of the prompt log probabilities asked for, ``score_chunk`` at most, and a
-        completed prompt's last row)."""
+        (``decoding_chunk`` while requests decode; the rows of the prompt log probabilities asked
+        for, ``score_chunk`` at most, and a completed prompt's last row)."""
         b = _Batch()
         width = max((len(p) for p in proposals), default=0)
         for r, p in zip(decode, proposals):
@@ -408,7 +412,8 @@ class Engine:
                 n = width + 1
             b.segments.append((r.slot, n))
             b.sent.append(n)
-        budget, scores = max(self.prefill_chunk, 1), max(self.score_chunk, 1)
+        chunk = min(self.prefill_chunk, self.decoding_chunk) if decode else self.prefill_chunk
+        budget, scores = max(chunk, 1), max(self.score_chunk, 1)
         for r in prefill:
             if budget <= 0:
                 break

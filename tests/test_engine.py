@@ -310,10 +310,11 @@ def test_request_options_are_one_type_whichever_way_they_are_given():
 def test_a_long_scored_prompt_is_spread_over_steps_and_others_decode_meanwhile():
     """A prompt with prompt log probabilities (echo) is prefilled ``score_chunk`` scored rows at a
     time, so a request decoding beside it gets a token in every step while it prefills; its log
-    probabilities are those of one whole prefill."""
+    probabilities are those of one whole prefill. A prompt without goes ``decoding_chunk`` tokens
+    a step while another request decodes."""
     target = _tiny(0, vocab=11, scale=2.0)
     long_prompt = [(3 * i) % 11 for i in range(120)]
-    engine = Engine(target, None, FixedPolicy(), max_requests=3, max_len=256, score_chunk=16)
+    engine = Engine(target, None, FixedPolicy(), max_requests=3, max_len=256, score_chunk=16, decoding_chunk=40)
     steps: list[int] = []
     streaming = engine.add_request([1, 2, 3], SamplingParams(temperature=0), 40,
                                    on_tokens=lambda toks: steps.append(engine.num_steps))
@@ -332,3 +333,9 @@ def test_a_long_scored_prompt_is_spread_over_steps_and_others_decode_meanwhile()
     whole.run()
     assert [lp for lp, _ in echo.prompt_logprobs_out] == pytest.approx([lp for lp, _ in ref.prompt_logprobs_out],
                                                                        abs=1e-5)
+    # a long prompt without log probabilities: decoding_chunk tokens a step while the stream decodes
+    plain = engine.add_request(long_prompt, SamplingParams(temperature=0), 1)
+    first = engine.num_steps
+    while plain.status != "finished":
+        engine.step()
+    assert engine.num_steps - first == -(-len(long_prompt) // 40) and not streaming.done
