@@ -161,7 +161,8 @@ def test_every_policy_keeps_the_target_distribution(policy):
     spy = _Spy(make_policy(policy, 3, cost_table=_cost_table()))
     prompt, n_new, draws = [1, 3, 2, 4], 4, 3000
     engine = Engine(target, drafter, spy, max_requests=32, block_size=3, max_len=16, cost_table=_cost_table())
-    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new)
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new,
+                               exact_seed=False)
             for s in range(draws)]
     engine.run()
     counts = {}
@@ -649,7 +650,8 @@ def test_prefix_verifies_free_lookup_proposals_by_their_own_acceptance():
     spy = _Spy(make_policy("prefix", 3, cost_table=dear))
     prompt, n_new, draws = [2, 0, 1, 2, 0, 1, 4], 4, 3000
     engine = Engine(target, hybrid, spy, max_requests=32, block_size=3, max_len=16, cost_table=dear)
-    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new) for s in range(draws)]
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new,
+                               exact_seed=False) for s in range(draws)]
     engine.run()
     lookup, trained = hybrid.served
     assert lookup > draws and trained < lookup / 20, hybrid.served     # probes only

@@ -24,7 +24,7 @@ def _hybrid(target, min_match=2):
 def _run(target, drafter, prompt, params_list, n_new, block=3):
     engine = Engine(target, drafter, FixedPolicy(block), max_requests=32, block_size=block,
                     max_len=len(prompt) + n_new + block + 2)
-    reqs = [engine.add_request(prompt, p, n_new) for p in params_list]
+    reqs = [engine.add_request(prompt, p, n_new, exact_seed=False) for p in params_list]   # rejection sampling
     engine.run()
     return reqs
 

@@ -79,7 +79,7 @@ def test_constrained_output_follows_the_masked_law_through_drafting():
     policy = CyclingPolicy()
     engine = Engine(target.model, DraftLMDrafter(_tiny(1), block_size=3), policy, max_requests=8, max_len=24,
                     eos_ids=(EOS,))
-    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new,
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new, exact_seed=False,
                                grammar=grammar_state(target, grammar)) for s in range(draws)]
     engine.run()
     assert {1, 2, 3} <= policy.used, f"verification lengths used: {policy.used}"
@@ -178,7 +178,7 @@ def test_a_trained_drafter_drafts_only_what_the_grammar_allows_and_keeps_the_law
     drafter.propose = spy
     prompt, n_new, draws = [1, 3, 2], 5, 2000
     engine = Engine(decoder, drafter, CyclingPolicy(), max_requests=16, max_len=24, block_size=3, eos_ids=(EOS,))
-    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new,
+    reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, seed=s), n_new, exact_seed=False,
                                grammar=grammar_state(target, grammar)) for s in range(draws)]
     engine.run()
     assert seen["blocks"] > 500 and seen["forbidden"] == 0

@@ -34,7 +34,7 @@ def _drafter(target, kind, head, vocab=None):
 def _run_many(target, drafter, prompt, params_list, n_new, block, concurrency=32):
     engine = Engine(target, drafter, FixedPolicy(block), max_requests=concurrency, block_size=block,
                     max_len=len(prompt) + n_new + block + 2)
-    reqs = [engine.add_request(prompt, p, n_new) for p in params_list]
+    reqs = [engine.add_request(prompt, p, n_new, exact_seed=False) for p in params_list]   # rejection sampling
     engine.run()
     return reqs
 
