@@ -108,3 +108,15 @@ def test_a_rerun_with_other_settings_is_refused(tmp_path):
     again = Recipe(Plan(target=str(folder), prompts=str(prompts), budget_hours=2.0), tmp_path / "work", tmp_path / "out")
     assert again.budget == 2.0 * 3600        # a rerun may give the recipe more time
     assert main([*base, "--budget-hours", "0"]) == 2
+
+
+def test_the_budget_split_counts_what_an_interrupted_stage_spent(tmp_path):
+    from dspark.training.recipe import SHARES, Plan, Recipe
+    r = Recipe(Plan(target="x", budget_hours=1.0), tmp_path / "work", tmp_path / "out", log=lambda m: None)
+    assert r.left("regenerate") == pytest.approx(3600 * SHARES["regenerate"])
+    r.state.spent["regenerate"] = 600.0                       # killed 10 minutes in
+    assert r.left("regenerate") == pytest.approx(3600 * SHARES["regenerate"] - 600)
+    r.state.done = {"prompts": {}, "regenerate": {}}            # it ended: the rest share what it left
+    r.state.spent["prompts"] = 0.0
+    todo = 1 - SHARES["prompts"] - SHARES["regenerate"]
+    assert r.left("train-dspark") == pytest.approx((3600 - 600) * SHARES["train-dspark"] / todo)

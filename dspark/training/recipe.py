@@ -135,12 +135,14 @@ class Recipe:
         return self.plan.budget_hours * 3600
 
     def left(self, stage: str) -> float:
-        """Seconds this stage may still take: what the budget has left, shared among the stages not
-        yet done by their shares (a stage that ended early leaves its time to the later ones)."""
-        left = self.budget - sum(self.state.spent.values())
+        """Seconds this stage may still take: what the finished stages left of the budget, shared
+        among the others by their shares (a stage that ended early leaves its time to the later
+        ones), less what this one has spent already (before an interruption)."""
         todo = [s for s in STAGES if s not in self.state.done]
+        free = self.budget - sum(v for s, v in self.state.spent.items() if s not in todo)
         total = sum(SHARES[s] for s in todo)
-        return max(0.0, left * SHARES[stage] / total) if total else 0.0
+        share = free * SHARES[stage] / total if total else 0.0
+        return max(0.0, share - self.state.spent.get(stage, 0.0))
 
     def _timed(self, stage: str, fn):
         """Run one stage, adding its wall time to ``spent`` every 30 s and at the end."""
