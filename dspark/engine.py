@@ -649,6 +649,8 @@ class Engine:
         which the DSpark drafter, racing its own law with the same keys, makes with probability near
         sum min(p, q)."""
         probs = probs_from_logits(self._law(r, logits, p.tokens), r.params)     # [l + 1, V]
+        if not bool(torch.isfinite(probs).all()):
+            raise FloatingPointError("NaN in the target's probabilities")
         start = len(r.prompt_ids) + len(r.output_ids)
         ys = race_sample(probs, [r.params.seed] * probs.shape[0], list(range(start, start + probs.shape[0]))).tolist()
         drafts = p.tokens.tolist()

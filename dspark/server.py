@@ -624,9 +624,10 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
     if not collected.done() or collected.cancelled():
         return Response(status_code=499)    # nginx's "client closed request": nobody reads it
     collected.result()      # its ApiError, if a choice failed
-    return {**head, "object": obj, "usage": srv.usage(choices),
-            "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs, True) if asked else None,
-                         "finish_reason": ch.finish_reason} for ch in choices]}
+    return await _json_off_loop(lambda: {
+        **head, "object": obj, "usage": srv.usage(choices),
+        "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs, True) if asked else None,
+                     "finish_reason": ch.finish_reason} for ch in choices]})
 
 
 _BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
@@ -665,7 +666,8 @@ def create_app(target, engine: Engine, model_name: str | None = None, api_key: s
     app.exception_handler(RequestValidationError)(_invalid)
     # the request bodies are parsed, and prompts tokenised, in worker threads: a body of some MB
     # takes seconds to parse and tokenise, which on the event loop would hold up every other request
-    app.api_route("/health", methods=["GET", "HEAD"])(health)
+    app.get("/health")(health)
+    app.head("/health", include_in_schema=False)(health)     # load balancers' probes
     app.get("/metrics", responses=errors(401), response_class=PlainTextResponse)(metrics)
     app.get("/v1/models", responses=errors(401))(models)
     for path, route, model, extra in (("/tokenize", tokenize, TokenizeRequest, {}),
@@ -711,6 +713,11 @@ async def _http_error(request, e: StarletteHTTPException):   # an unknown route,
     response = ApiError(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
                         else "internal_error").response()
     response.headers.update(e.headers or {})    # a 405's Allow: the methods the route has (RFC 9110)
+    if e.status_code == 405:      # Starlette names the first route's; a path may have several (/health)
+        path = request.url.path
+        methods = {m for r in request.app.routes if getattr(r, "path", None) == path for m in getattr(r, "methods", ())}
+        if methods:
+            response.headers["allow"] = ", ".join(sorted(methods))
     return response
 
 
@@ -766,8 +773,18 @@ def _tokenized(srv: Server, body: TokenizeRequest) -> dict:
     return {"count": len(ids), "max_model_len": srv.engine.cache.max_len, "tokens": ids, "token_strs": strs}
 
 
+async def _json_off_loop(build: Callable[[], dict]) -> Response:
+    """A JSON answer built and serialised in a worker thread: an echo with log probabilities or a
+    tokenisation of some MB is tens of MB of JSON, seconds of work that on the event loop would hold
+    up every other request and /health."""
+    body = await run_in_threadpool(
+        lambda: json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+    return Response(body, media_type="application/json")
+
+
 async def tokenize(request: Request):
-    return await run_in_threadpool(_tokenized, _server(request), await parse_body(request, TokenizeRequest))
+    srv, body = _server(request), await parse_body(request, TokenizeRequest)
+    return await _json_off_loop(lambda: _tokenized(srv, body))
 
 
 def _detokenized(srv: Server, body: DetokenizeRequest) -> dict:

@@ -470,7 +470,7 @@ def test_bodies_that_are_not_json_and_unknown_routes_get_openai_errors(server):
 def test_the_openapi_schema_documents_the_codes_sent(server):
     url, _ = server
     schema = json.loads(urllib.request.urlopen(url + "/openapi.json", timeout=10).read())
-    post_codes = {"200", "400", "401", "404", "413", "500"}
+    post_codes = {"200", "400", "401", "404", "408", "413", "415", "500"}
     sent = {"/v1/completions": post_codes, "/v1/chat/completions": post_codes, "/tokenize": post_codes,
             "/detokenize": post_codes, "/v1/models": {"200", "401"}, "/health": {"200"}, "/metrics": {"200", "401"}}
     for path, ops in schema["paths"].items():
@@ -541,23 +541,27 @@ def test_the_engine_verifies_a_step_in_one_call_and_a_nan_ends_its_request_alone
     monkeypatch.setattr(dspark.engine, "verify_batch", counted)
     e = Engine(tiny.model, NgramDrafter(block_size=3), max_requests=4, max_len=64, isolate_failures=True)
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
-    good = [e.add_request([5, 6, 7, 5, 6, 7, 5], p, 12) for p in params]
-    bad = e.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=666), 12)
+    # rejection sampling (seeded requests' exact path verifies apart: ``exact`` below)
+    good = [e.add_request([5, 6, 7, 5, 6, 7, 5], p, 12, exact_seed=False) for p in params]
+    bad = e.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=666), 12, exact_seed=False)
+    exact = e.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=667), 12)
     law = e._law
 
     def nan_law(r, logits, drafts=None):
         out = law(r, logits, drafts)
-        return out.float().fill_(float("nan")) if r is bad and drafts is not None and len(r.output_ids) >= 3 else out
+        broken = r in (bad, exact) and drafts is not None and len(r.output_ids) >= 3
+        return out.float().fill_(float("nan")) if broken else out
     monkeypatch.setattr(e, "_law", nan_law)
     while e.has_work():
-        decoding = sum(r.ctx is not None for r in e.running)
+        decoding = sum(r.ctx is not None and r is not exact for r in e.running)
         before = len(calls)
         e.step()
         assert len(calls) - before == (1 if decoding else 0) and (not decoding or calls[-1] == decoding)
     assert bad.status == "failed" and "NaN" in bad.error and len(bad.output_ids) >= 3
+    assert exact.status == "failed" and "NaN" in exact.error and len(exact.output_ids) >= 3
     assert all(r.status == "finished" and len(r.output_ids) == 12 for r in good)
     ref = Engine(tiny.model, NgramDrafter(block_size=3), max_requests=4, max_len=64)
-    want = [ref.add_request(r.prompt_ids, p, 12) for r, p in zip(good, params)]
+    want = [ref.add_request(r.prompt_ids, p, 12, exact_seed=False) for r, p in zip(good, params)]
     ref.run()
     assert [r.output_ids for r in good] == [r.output_ids for r in want]
 
