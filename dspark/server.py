@@ -54,6 +54,7 @@ from .sampling import SamplingParams
 from .server_door import (DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PROMPTS, ApiError, Door, errors, json_body, parse_body)
 from .server_door import text as _text
 from .grammar_sandbox import SERVER_STACK, GrammarSandbox
+from .runtime.allocator import release_memory
 from .structured import grammar_state
 
 if TYPE_CHECKING:
@@ -170,6 +171,7 @@ class EngineWorker:
         self._commands: deque = deque()
         self._wake = threading.Condition()
         self._closed = False
+        self._served = False     # stepped since it last went idle (release_memory then)
         self._jobs: dict[int, Job] = {}
         # submitted and neither ended nor cancelled (guarded by _wake): what the request gauges count
         self._live: set[Job] = set()
@@ -231,6 +233,9 @@ class EngineWorker:
         eng = self.engine
         while True:
             with self._wake:
+                if not self._commands and not eng.has_work() and not self._closed and self._served:
+                    release_memory()     # idle after serving: the heavy requests' temporaries go back
+                    self._served = False
                 while not self._commands and not eng.has_work() and not self._closed:
                     self._wake.wait(0.5)
                     if alive is not None and not alive():
@@ -247,6 +252,7 @@ class EngineWorker:
                     self._end(job, "cancelled")
             if not eng.has_work():
                 continue
+            self._served = True
             try:
                 ended = eng.step()
             except Exception as e:       # the step shared by all failed: fail what is in flight, keep serving
@@ -330,6 +336,7 @@ class Server:
         self.grammars = GrammarSandbox(self.tokenizer, target.model.config.vocab_size, target.eos_token_ids)
         if threading.stack_size() < SERVER_STACK:
             threading.stack_size(SERVER_STACK)
+        release_memory()      # what loading the target and the drafter left behind
 
     # ------------------------------------------------------------------ requests -> jobs
     def check(self, body) -> None:

@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+import dspark.server
 import dspark.server_door
 from dspark.drafters import NgramDrafter
 from dspark.server_door import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PROMPTS
@@ -323,3 +324,21 @@ def test_transport_refuses_what_a_web_page_or_a_stalled_client_sends(tiny, monke
                              b"authorization: Bearer sesame\r\ncontent-length: 99999999999\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 413") and time.monotonic() - t < 0.9, out[:200]
         assert get(url + "/health")[0] == 200
+
+
+def test_memory_goes_back_when_the_server_goes_idle(small, monkeypatch):
+    """After serving, the engine thread hands the heap's free memory back once it is idle
+    (runtime/allocator.release_memory: glibc's malloc_trim), not at every step."""
+    from dspark.runtime.allocator import release_memory
+    url, _ = small
+    calls: list[int] = []
+    monkeypatch.setattr(dspark.server, "release_memory", lambda: calls.append(1) or True)
+    status, out = post(url + "/v1/completions", {"prompt": "hello", "max_tokens": 6, "temperature": 0})
+    assert status == 200, out
+    deadline = time.time() + 10
+    while not calls and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(calls) == 1
+    time.sleep(1.2)                 # idle: no more releases until it serves again
+    assert len(calls) == 1
+    assert isinstance(release_memory(), bool)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ModelLoadError, UsageError
-from .allocator import tune_allocator
+from .allocator import release_memory, tune_allocator
 from .model import Decoder
 
 if TYPE_CHECKING:
@@ -286,6 +286,7 @@ def load_target(target: str | os.PathLike | None = None, dtype: str | torch.dtyp
     model = Decoder.from_hf(hf, dtype=torch_dtype, device=device)
     model.batch_invariant = bool(batch_invariant)
     del hf
+    release_memory()       # the loader's temporaries (the fp32 model it converted from)
     t = Target(name, path, model, tok)
     if reuse:
         _LOADED[key] = t
