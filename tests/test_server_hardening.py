@@ -242,15 +242,27 @@ DEEP = [({"structured_outputs": {"grammar": _lark_chain(10_000)}}, "structured_o
 def test_grammars_that_crash_llguidance_are_a_400_and_others_decode_on(server):
     """Each hostile grammar is sent while greedy streams decode: each gets a 400 naming its field,
     the sandbox restarts, the streams' tokens equal a run without them, and a normal grammar still
-    compiles afterwards."""
+    compiles afterwards; so do the other hostile classes in the same window (numbers at fp32's
+    edge: a 400 or their greedy limit; a text/plain body: 415; a schema nested just below the door's
+    limit: 400)."""
     url, srv = server
     baseline = _greedy_runs(server, PROMPTS[:3])
     restarts = srv.grammars.restarts
     results: list = []
 
+    others: list = []
+
     def hostile():
         for body, field, _ in DEEP:
             results.append((post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 4, **body}), field))
+        # the other classes in the same window: numbers past fp32's range, a body a web page can send,
+        # a schema nested just below the door's limit
+        for extra in ({"repetition_penalty": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-45}):
+            others.append(post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})[0])
+        others.append(raw(url + "/v1/completions", b'{"prompt": "hi"}', {"content-type": "text/plain"})[0])
+        deep = '{"type": "array", "items": ' * 900 + '{"type": "string"}' + "}" * 900
+        others.append(raw(url + "/v1/completions",
+                          ('{"prompt": "hi", "structured_outputs": {"json": ' + deep + "}}").encode())[0])
     t = threading.Thread(target=hostile)
     t.start()
     got = _greedy_runs(server, PROMPTS[:3])
@@ -259,6 +271,7 @@ def test_grammars_that_crash_llguidance_are_a_400_and_others_decode_on(server):
     assert len(results) == len(DEEP)
     for (status, out), field in results:
         assert_400(out, status, field, "too complex")
+    assert others == [400, 200, 200, 415, 400]
     assert srv.grammars.restarts >= restarts + 2        # the two chains crashed the sandbox, not the server
     test_a_good_grammar_still_passes_the_door(server)
     answers(url)
