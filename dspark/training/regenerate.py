@@ -58,19 +58,8 @@ REGIMES = {    # sampling settings answers can be written at: those requests are
 
 def parse_regimes(text: str) -> dict[str, float]:
     """``greedy=0.5,t1=0.5``: each regime's share of the prompts."""
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        k = k.strip()
-        try:
-            out[k] = float(v) if v else 1.0
-        except ValueError:
-            raise UsageError(f"--regimes: expected name=share pairs, got {text!r}") from None
-        if k not in REGIMES or out[k] < 0:
-            raise UsageError(f"--regimes: regimes are {', '.join(REGIMES)} with shares >= 0, got {part!r}")
-    if sum(out.values()) <= 0:
-        raise UsageError("--regimes: at least one regime needs a positive share")
-    return out
+    from .corpus import parse_shares
+    return parse_shares(text, REGIMES, "--regimes")
 
 
 def regime_of(row_id: str, regimes: dict[str, float]) -> str:
@@ -114,8 +103,8 @@ def regenerate(prompts_path, out_path, *, target=None, dtype="auto", device="cpu
     if not todo:
         return {"written": 0, "done": len(rows), "tokens": 0}
     custom = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    settings = {r["id"]: (regime_of(r["id"], regimes), REGIMES[regime_of(r["id"], regimes)]) if regimes
-                else ("custom", custom) for r in todo}
+    names = {r["id"]: regime_of(r["id"], regimes) if regimes else "custom" for r in todo}
+    settings = {i: (name, REGIMES.get(name, custom)) for i, name in names.items()}
     kw = dict(max_new_tokens=max_new_tokens, settings=settings, seed=seed, progress=progress, deadline=deadline)
     with open(out, "a", encoding="utf-8") as f:
         def write(row):
