@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest request body in MiB; a larger one gets a 413 before it is parsed (default: 8)")
     sv.add_argument("--max-prompts", type=_positive_int, default=64,
                     help="most prompts in one /v1/completions request, a 400 past it (default: 64)")
+    sv.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "generic"],
+                    help="how tools are rendered and calls written: hermes (the chat template renders the tools, "
+                         "calls in <tool_call> tags, as Qwen2.5), generic (the tools described in the system turn, "
+                         "the same tags); auto: hermes where the template knows tools (default: auto)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_model_flags(sv, compile_default=True)
 
@@ -362,7 +366,7 @@ def cmd_serve(args) -> int:
     serve(target, engine, args.host, args.port, args.served_model_name,
           args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level,
           max_body_mb=args.max_body_mb, max_prompts=args.max_prompts, metrics_open=args.metrics_open,
-          banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {engine.policy.name}, "
+          tool_format=args.tool_call_parser, banner=f"dspark: serving {target.name} with drafter {drafter.name}, policy {engine.policy.name}, "
                  f"{args.max_requests} requests x {args.max_len} tokens, "
                  f"prefix caching {'on' if args.prefix_caching else 'off'}")
     return 0

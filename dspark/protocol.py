@@ -1,8 +1,9 @@
 """The OpenAI API's request bodies (completions, chat completions) as pydantic models, and the text
 side of a response: incremental detokenisation with stop strings.
 
-Fields the engine cannot honour are refused with a clear 400 rather than ignored: tools, and any
-field the API does not define. Types are strict (no ``true`` for a token id, no ``"yes"`` for a
+Fields the engine cannot honour are refused with a clear 400 rather than ignored: any field the
+API does not define. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+``tool_calls`` and ``tool`` messages) are rendered, constrained and parsed by tools.py. Types are strict (no ``true`` for a token id, no ``"yes"`` for a
 boolean), strings must be valid Unicode (no lone surrogate, which a JSON body can spell
 ``"\\ud800"``), and a seed must fit the generator of every choice. Structured outputs (OpenAI's
 ``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` json / regex / choice /
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from .sampling import MAX_SEED
+from .tools import MAX_TOOL_BYTES, MAX_TOOLS, MAX_TOOLS_BYTES
 
 MAX_N = 16          # choices per request
 MAX_STOPS = 16      # stop strings per request
@@ -257,11 +259,60 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """An assistant message's call (``tool_calls``), as a response returned it."""
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class Message(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant's calls
+    tool_call_id: str | None = None              # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -275,16 +326,40 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _refused(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools are not supported")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        names, total = set(), 0
+        for t in v or []:
+            size = len(t.model_dump_json())
+            total += size
+            if size > MAX_TOOL_BYTES:
+                raise ValueError(f"tool {t.function.name!r} is {size} bytes as JSON; at most {MAX_TOOL_BYTES}")
+            if t.function.name in names:
+                raise ValueError(f"two tools are named {t.function.name!r}")
+            names.add(t.function.name)
+        if total > MAX_TOOLS_BYTES:
+            raise ValueError(f"the tools are {total} bytes as JSON; at most {MAX_TOOLS_BYTES}")
+        return v
+
+    @property
+    def tool_mode(self) -> str | None:
+        """What the output may hold: None (no tools, or ``none``), ``auto``, ``required`` or the
+        name of the function it must call."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else None)
+        if choice is None or choice == "none" or not self.tools:
+            return None
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
     @property
     def num_logprobs(self) -> int | None:
@@ -300,8 +375,17 @@ class ChatCompletionRequest(_Sampling):
 
 
 def chat_messages(messages: list[Message]) -> list[dict]:
-    """Messages as a chat template reads them ("developer" is the newer name of "system")."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    """Messages as a chat template reads them ("developer" is the newer name of "system"); an
+    assistant's calls and a tool message's call id kept as OpenAI writes them (tools.py renders them)."""
+    out = []
+    for m in messages:
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 class TokenizeRequest(_Body):

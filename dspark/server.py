@@ -56,6 +56,7 @@ from .server_door import text as _text
 from .grammar_sandbox import SERVER_STACK, GrammarSandbox
 from .runtime.allocator import release_memory
 from .structured import grammar_state
+from . import tools as tool_calls
 
 if TYPE_CHECKING:
     from .engine import Request as EngineRequest   # fastapi's Request is the HTTP one here
@@ -313,6 +314,7 @@ class _Choice:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)   # (token, log probability, top) of the output so far
     logprob_chars: int = 0                          # text_offset of the next token (completions)
+    tools: tool_calls.ToolCallStream | None = None  # the output's calls, parsed as it comes (tools.py)
 
 
 class Server:
@@ -320,9 +322,10 @@ class Server:
     endpoints."""
 
     def __init__(self, target, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_prompts: int = DEFAULT_MAX_PROMPTS):
+                 max_prompts: int = DEFAULT_MAX_PROMPTS, tool_format: str = "auto"):
         self.target = target
         self.tokenizer = target.tokenizer
+        self.tool_format = tool_calls.pick_format(target.tokenizer, tool_format)
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key      # what the door asks for (Door), kept here for the app's users
@@ -361,12 +364,15 @@ class Server:
         return max_tokens
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                 add_special_tokens: bool = False) -> list[int]:
+                 add_special_tokens: bool = False, tools: list | None = None) -> list[int]:
+        """``messages`` through the chat template; with tools, as tools.render_messages wrote them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if tools is None:
+            messages, tools = tool_calls.render_messages(messages, [], self.tool_format)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, tools=tools)
         except Exception as e:     # a template that refuses these messages (e.g. roles out of order)
             raise ApiError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -405,9 +411,44 @@ class Server:
         return self.choices(prompts, body, body.max_tokens, self.grammar(body)), echo
 
     def chat_choices(self, body: ChatCompletionRequest) -> list[_Choice]:
-        """A chat request's choices (in a worker thread, as completion_choices)."""
+        """A chat request's choices (in a worker thread, as completion_choices); with tools, the
+        prompt renders them, a grammar constrains the calls and each choice parses its own."""
         self.check(body)
-        return self.choices([self.chat_ids(body.chat())], body, body.token_limit, self.grammar(body))
+        mode = body.tool_mode
+        if body.tool_choice not in (None, "none") and not body.tools:
+            raise ApiError(400, "tool_choice: needs tools", param="tool_choice")
+        functions = [tool_calls.Function(t.function.name, t.function.description or "",
+                                         t.function.parameters or {"type": "object", "properties": {}})
+                     for t in body.tools or []]
+        if mode not in (None, "auto", "required") and mode not in {f.name for f in functions}:
+            raise ApiError(400, f"tool_choice: names the function {mode!r}, which is not among tools",
+                           param="tool_choice")
+        if mode is not None and (body.structured_outputs is not None or (
+                body.response_format is not None and body.response_format.type != "text")):
+            raise ApiError(400, "tools: a tool call's grammar cannot be combined with response_format or "
+                                "structured_outputs (give tool_choice none, or drop one)", param="tools")
+        messages, template_tools = tool_calls.render_messages(body.chat(), functions, self.tool_format)
+        ids = self.chat_ids(messages, tools=template_tools or [])
+        grammar = self.tool_grammar(functions, mode, body.parallel_tool_calls) if mode else self.grammar(body)
+        choices = self.choices([ids], body, body.token_limit, grammar)
+        if mode:
+            for ch in choices:
+                ch.tools = tool_calls.ToolCallStream()
+        return choices
+
+    def tool_grammar(self, functions: list[tool_calls.Function], mode: str, parallel: bool) -> str:
+        """The calls' grammar, compiled and checked in the grammar sandbox; a schema it refuses is
+        named (``tools.N.function.parameters``)."""
+        try:
+            return self.grammars.compile("grammar", tool_calls.grammar(functions, mode, parallel))
+        except DsparkError as e:
+            for i, f in enumerate(functions):
+                try:
+                    self.grammars.compile("json", f.parameters)
+                except DsparkError as bad:
+                    where = f"tools.{i}.function.parameters"
+                    raise ApiError(400, f"{where}: {bad}", param=where) from None
+            raise ApiError(400, f"tools: {e}", param="tools") from None
 
     def choices(self, prompts: list[list[int]], body, max_tokens: int | None,
                 grammar: str | None = None) -> list[_Choice]:
@@ -573,10 +614,47 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def _finish(ch: _Choice) -> str | None:
+    """A choice's finish_reason: ``tool_calls`` where it ended on its own after calling a tool."""
+    if ch.finish_reason == "stop" and ch.tools is not None and ch.tools.calls:
+        return "tool_calls"
+    return ch.finish_reason
+
+
+def _chat_delta(ch: _Choice, text: str) -> dict:
+    """A chat chunk's delta: the text, or with tools the content and the call deltas it holds (the
+    rest of the parse once the choice has ended)."""
+    if ch.tools is None:
+        return {"delta": {"content": text} if text else {}}
+    content, calls = ch.tools.add(text)
+    if ch.finish_reason is not None:
+        more, last = ch.tools.finish()
+        content, calls = content + more, tool_calls.merge_deltas(calls + last)
+    d: dict = {}
+    if content:
+        d["content"] = content
+    if calls:
+        d["tool_calls"] = calls
+    return {"delta": d}
+
+
+def _chat_whole(ch: _Choice) -> dict:
+    if ch.tools is None:
+        return {"message": {"role": "assistant", "content": ch.text.output}}
+    ch.tools.add(ch.text.output)
+    ch.tools.finish()
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in ch.tools.calls]
+    msg: dict = {"role": "assistant", "content": ch.tools.content or None}
+    if calls:
+        msg["tool_calls"] = calls
+    return {"message": msg}
+
+
 async def _respond(srv: Server, body, request: Request, choices: list[_Choice], queue, prefix: str, obj: str,
                    chunk_obj: str, delta, opening, whole, logprobs):
     """The response of either endpoint: a stream of chunks (``opening(choice)``'s fields first, then
-    ``delta(text)`` per piece of text, the usage if asked, [DONE]) or, once every choice has ended,
+    ``delta(choice, text)`` per piece of text, the usage if asked, [DONE]) or, once every choice has ended,
     one object (``whole(choice)`` per choice); ``logprobs(choice, entries, whole)`` formats the log
     probabilities of a chunk's or the whole output's tokens, when the request asked for them. With
     the prompt's log probabilities (``echo``), a stream's opening chunk of a choice carries them,
@@ -586,7 +664,8 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
 
     def chunk(ch, fields, finish=None, lp=None):
         return {**head, "object": chunk_obj,
-                "choices": [{"index": ch.index, **fields, "logprobs": lp, "finish_reason": finish}]}
+                "choices": [{"index": ch.index, **fields, "logprobs": lp,
+                             "finish_reason": finish and _finish(ch)}]}
 
     if body.stream:
         async def stream():
@@ -603,7 +682,7 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
                         for fields in opening(ch):
                             yield _sse(chunk(ch, fields, lp=logprobs(ch, [], True)))
                     lp = logprobs(ch, entries) if asked and entries else None
-                    yield _sse(chunk(ch, delta(text), ch.finish_reason, lp))
+                    yield _sse(chunk(ch, delta(ch, text), ch.finish_reason, lp))
             except ApiError as e:
                 yield _sse({"error": {"message": _text(e.message), "type": e.type, "param": None, "code": None}})
                 return
@@ -634,7 +713,7 @@ async def _respond(srv: Server, body, request: Request, choices: list[_Choice], 
     return await _json_off_loop(lambda: {
         **head, "object": obj, "usage": srv.usage(choices),
         "choices": [{"index": ch.index, **whole(ch), "logprobs": logprobs(ch, ch.logprobs, True) if asked else None,
-                     "finish_reason": ch.finish_reason} for ch in choices]})
+                     "finish_reason": _finish(ch)} for ch in choices]})
 
 
 _BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
@@ -644,13 +723,15 @@ _STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/jso
 
 def create_app(target, engine: Engine, model_name: str | None = None, api_key: str | None = None,
                engine_thread: bool = True, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-               max_prompts: int = DEFAULT_MAX_PROMPTS, metrics_open: bool = False) -> FastAPI:
+               max_prompts: int = DEFAULT_MAX_PROMPTS, metrics_open: bool = False,
+               tool_format: str = "auto") -> FastAPI:
     """The FastAPI app serving ``engine`` (whose target is ``target.model``). ``engine_thread``: the
     engine steps on a thread of its own for the app's lifetime; else the caller runs
     ``app.state.server.worker.run()`` on its thread (the main one: see EngineWorker). ``api_key``:
     wanted on every route but /health (and /metrics with ``metrics_open``); ``max_body_mb``: larger
-    bodies get a 413; ``max_prompts``: prompts one completion request may hold (more: a 400)."""
-    srv = Server(target, engine, model_name or target.name, api_key, max_prompts)
+    bodies get a 413; ``max_prompts``: prompts one completion request may hold (more: a 400);
+    ``tool_format``: how tools are rendered (tools.py: auto, hermes, generic)."""
+    srv = Server(target, engine, model_name or target.name, api_key, max_prompts, tool_format)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -809,7 +890,7 @@ async def completions(request: Request):
     body = await parse_body(request, CompletionRequest)
     choices, echo = await run_in_threadpool(srv.completion_choices, body)
     return await _respond(srv, body, request, choices, srv.start(choices), "cmpl", "text_completion",
-                          "text_completion", delta=lambda text: {"text": text},
+                          "text_completion", delta=lambda ch, text: {"text": text},
                           opening=lambda ch: [{"text": echo[ch.index // body.n]}] if body.echo else [],
                           whole=lambda ch: {"text": echo[ch.index // body.n] + ch.text.output},
                           logprobs=srv.completion_logprobs)
@@ -820,9 +901,9 @@ async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     choices = await run_in_threadpool(srv.chat_choices, body)
     return await _respond(srv, body, request, choices, srv.start(choices), "chatcmpl", "chat.completion",
-                          "chat.completion.chunk", delta=lambda text: {"delta": {"content": text} if text else {}},
+                          "chat.completion.chunk", delta=_chat_delta,
                           opening=lambda ch: [{"delta": {"role": "assistant", "content": ""}}],
-                          whole=lambda ch: {"message": {"role": "assistant", "content": ch.text.output}},
+                          whole=_chat_whole,
                           logprobs=srv.chat_logprobs)
 
 
@@ -859,13 +940,13 @@ def in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: s
 def serve(target, engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           api_key: str | None = None, log_level: str = "info", banner: str | None = None,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, max_prompts: int = DEFAULT_MAX_PROMPTS,
-          metrics_open: bool = False) -> None:
+          metrics_open: bool = False, tool_format: str = "auto") -> None:
     """Serve until SIGINT or SIGTERM: HTTP on a side thread, the engine on this (main) thread. The
     first signal stops accepting requests and lets those in flight finish (the engine steps on
     until the HTTP server has closed its last connection); a second one stops at once."""
     import signal
     app = create_app(target, engine, model_name, api_key, engine_thread=False, max_body_mb=max_body_mb,
-                     max_prompts=max_prompts, metrics_open=metrics_open)
+                     max_prompts=max_prompts, metrics_open=metrics_open, tool_format=tool_format)
     worker = app.state.server.worker
     with in_thread(app, host, port, log_level) as (url, server, thread):
         if banner:
