@@ -221,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     sb.set_defaults(threads=2)
     sb.add_argument("--json", action="store_true")
 
+    t = bsub.add_parser("tools", help="tool-call answers through `dspark serve`: plain decoding against a drafter "
+                                      "(tokens/s, calls that validate, identity to plain)")
+    t.add_argument("--cases", default=None, help="a JSONL of {tools, messages, expect} cases (default: the 50 "
+                                                 "shipped in dspark/data/tools/tool_calls.jsonl)")
+    t.add_argument("--num-prompts", type=_positive_int, default=50, help="the first this many cases")
+    t.add_argument("--modes", default="auto,required,named", help="tool_choice modes: auto, required, named")
+    t.add_argument("--max-tokens", type=_positive_int, default=256)
+    t.add_argument("--drafter", default="auto", help="the drafter set against plain decoding (as for `dspark serve`)")
+    _add_model_flags(t)
+    t.set_defaults(threads=2)
+    t.add_argument("--json", action="store_true")
+
     c = bsub.add_parser("concurrency", help="closed-loop clients through the engine, per policy")
     c.add_argument("--repeats", type=_positive_int, default=1,
                    help="run the policies this many times per concurrency (each time all of them "
@@ -408,6 +420,9 @@ def cmd_bench(args) -> int:
     if args.bench == "serving":
         from .evaluation.serving import run_serving_bench
         return run_serving_bench(args)
+    if args.bench == "tools":
+        from .evaluation.tool_calls import run_tools_bench
+        return run_tools_bench(args)
     raise UsageError(f"unknown benchmark {args.bench!r}")
 
 

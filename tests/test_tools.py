@@ -349,3 +349,14 @@ def test_bad_tool_requests_get_a_400_naming_the_field(target_fp32):
             raise AssertionError("tools accepted on /v1/completions")
         except urllib.error.HTTPError as e:
             assert e.code == 400 and "tools" in json.loads(e.read())["error"]["message"]
+
+
+def test_the_tool_benchmark_names_valid_calls_and_identity_to_plain(capsys):
+    from dspark.cli import main
+    assert main(["bench", "tools", "--num-prompts", "3", "--modes", "named", "--max-tokens", "96", "--dtype", "fp32",
+                 "--drafter", "ngram+dspark", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["identical_to_plain"] == out["answers"] == 3
+    for system in ("plain", "ngram+dspark"):
+        named = out["results"][system]["named"]
+        assert named["valid_calls"] == 1.0 and named["whole_calls"] >= 1 and named["expected_calls"] > 0

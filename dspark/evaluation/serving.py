@@ -129,7 +129,7 @@ def _closed_loop(base_url: str, model: str, api_key: str | None, messages: list,
 
 
 def local_run(target, drafter, policy: str, max_requests: int, max_len: int, client,
-              prefix_caching: bool = True) -> dict:
+              prefix_caching: bool = True):
     """`dspark serve` in this process on a free port, a fresh engine (``policy`` by name), as
     `dspark serve` runs it (the engine on this thread, HTTP on another); ``client(base_url)`` runs
     on a third thread."""
