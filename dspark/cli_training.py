@@ -45,9 +45,10 @@ def add_parsers(sub, h) -> None:
     def work(p):
         p.add_argument("--work", default=None, help="pipeline folder (default: <user cache>/work/<target>)")
 
-    p = sub.add_parser("prepare", help="build the training prompt mix (chat, code, math) and a held-out split")
+    p = sub.add_parser("prepare", help="build the training prompt mix (chat, multi-turn, code, math) and a "
+                                       "held-out split")
     p.add_argument("--num-prompts", type=h._positive_int, default=8000)
-    p.add_argument("--mix", default="chat=0.25,code=0.375,math=0.375")
+    p.add_argument("--mix", default="chat=0.2,multi-turn=0.1,code=0.35,math=0.35")
     p.add_argument("--heldout", type=h._float, default=0.05)
     p.add_argument("--seed", type=h._int, default=0)
     p.add_argument("--target", default=None)
@@ -427,7 +428,7 @@ def cmd_calibrate(args) -> int:
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target)
     folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
-    from .api import encode_prompt
+    from .training.prompts import encode_row
     meta = {"drafter": str(folder), "block_size": drafter.block_size, "blocks": args.blocks,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "regime": args.regime}
     if args.rollouts and Path(args.rollouts).is_file():
@@ -440,7 +441,7 @@ def cmd_calibrate(args) -> int:
     else:
         splits = {}
         for name, part in (("fit", fit_rows), ("eval", eval_rows)):
-            prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in part]
+            prompts = [encode_row(target.tokenizer, r) for r in part]
             with tqdm(total=args.blocks, desc=f"rollouts ({name})", unit="block", file=sys.stderr) as bar:
                 splits[name] = cal.collect(target, drafter, prompts, [r["domain"] for r in part], blocks=args.blocks,
                                            max_new_tokens=args.max_new_tokens, concurrency=args.concurrency,

@@ -47,8 +47,8 @@ def sequence_tokens(row: dict, tokenizer) -> tuple[list[int], list[int]]:
     tokenized with the chat template, the answer followed by the end-of-turn token."""
     if "prompt_ids" in row and "answer_ids" in row:
         return list(row["prompt_ids"]), list(row["answer_ids"])
-    from ..api import encode_prompt
-    p = encode_prompt(tokenizer, row["prompt"], chat=bool(getattr(tokenizer, "chat_template", None)))
+    from .prompts import encode_row
+    p = encode_row(tokenizer, row)
     a = tokenizer(row.get("answer") or "", add_special_tokens=False)["input_ids"]
     if row.get("finish_reason") == "stop" and tokenizer.eos_token_id is not None:
         a.append(tokenizer.eos_token_id)

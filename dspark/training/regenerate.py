@@ -127,8 +127,8 @@ def _bar(total, progress, unit="prompt"):
 def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, log, *,
            max_new_tokens, settings, seed, progress, deadline) -> dict:
     import time
-    from ..api import encode_prompt
     from ..engine import Engine, RequestOptions
+    from .prompts import encode_row
     from ..runtime.loading import load_target
     from ..scheduling.policies import PlainPolicy
 
@@ -145,7 +145,7 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
             pending.clear()
         while pending and len(engine.waiting) < concurrency:
             row = pending.pop()
-            ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(tgt.tokenizer.chat_template))
+            ids = encode_row(tgt.tokenizer, row)
             if len(ids) > max_prompt_tokens:
                 skipped += 1
                 bar.update(1)
@@ -157,6 +157,7 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
         for req in engine.step():
             row, ids, regime = meta.pop(req.id)
             write({"id": row["id"], "domain": row.get("domain", "unknown"), "prompt": row["prompt"],
+                   **({"history": row["history"]} if row.get("history") else {}),
                    "answer": tgt.tokenizer.decode(req.output_ids, skip_special_tokens=True),
                    "prompt_ids": ids, "answer_ids": req.output_ids, "finish_reason": req.finish_reason,
                    "regime": regime})
@@ -173,6 +174,7 @@ def _local(todo, write, target, dtype, device, concurrency, max_prompt_tokens, l
 def _remote(todo, write, endpoint, model_name, api_key, concurrency, *, max_new_tokens,
             settings, seed, progress, deadline) -> dict:
     import time
+    from .prompts import row_messages
     try:
         import openai
     except ImportError:
@@ -190,7 +192,7 @@ def _remote(todo, write, endpoint, model_name, api_key, concurrency, *, max_new_
         if deadline is not None and time.monotonic() > deadline:
             return row, None, regime, None
         r = client.chat.completions.create(
-            model=model_name, messages=[{"role": "user", "content": row["prompt"]}],
+            model=model_name, messages=row_messages(row),
             max_tokens=max_new_tokens, temperature=sp["temperature"], top_p=sp["top_p"],
             seed=request_seed(seed, row["id"]) % (2 ** 31), extra_body={"top_k": sp["top_k"] or -1})
         choice = r.choices[0]
@@ -204,7 +206,7 @@ def _remote(todo, write, endpoint, model_name, api_key, concurrency, *, max_new_
                 if text is None:       # past the deadline
                     continue
                 write({"id": row["id"], "domain": row.get("domain", "unknown"), "prompt": row["prompt"],
-                       "answer": text, "finish_reason": reason, "regime": regime})
+                       **({"history": row["history"]} if row.get("history") else {}), "answer": text, "finish_reason": reason, "regime": regime})
                 written += 1
                 bar.update(1)
         except openai.OpenAIError as e:
