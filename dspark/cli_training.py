@@ -247,20 +247,10 @@ def add_parsers(sub, h) -> None:
     x.add_argument("--json", action="store_true", help="print the report as one JSON line")
 
 
-def _parse_mix(text: str) -> dict:
-    mix = {}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        try:
-            mix[k.strip()] = float(v)
-        except ValueError:
-            raise UsageError(f"--mix: expected name=weight pairs, got {text!r}") from None
-    return mix
-
-
 def cmd_prepare(args) -> int:
-    from .training.prompts import prepare
-    out = prepare(_work_dir(args) / "prompts", args.num_prompts, _parse_mix(args.mix), args.heldout, args.seed,
+    from .training.prompts import DOMAINS, parse_shares, prepare
+    out = prepare(_work_dir(args) / "prompts", args.num_prompts, parse_shares(args.mix, DOMAINS, "--mix"),
+                  args.heldout, args.seed,
                   log=lambda m: print(m, file=sys.stderr))
     print(json.dumps(out))
     return 0

@@ -154,26 +154,9 @@ def regen_rows(path, tokenizer, max_len: int, clean: Callable[[str], bool]) -> I
 
 
 # --------------------------------------------------------------------------- the mix
-def parse_shares(text: str, names, flag: str) -> dict[str, float]:
-    """``a=0.3,b=0.7`` -> {name: share}: names from ``names``, shares >= 0, one of them positive;
-    a UsageError naming ``flag`` otherwise."""
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        k = k.strip()
-        try:
-            out[k] = float(v)
-        except ValueError:
-            raise UsageError(f"{flag}: expected name=share pairs, got {text!r}") from None
-        if k not in names or out[k] < 0:
-            raise UsageError(f"{flag}: the names are {', '.join(names)} with shares >= 0, got {part!r}")
-    if sum(out.values()) <= 0:
-        raise UsageError(f"{flag}: at least one needs a positive share")
-    return out
-
-
 def parse_mix(text: str) -> dict[str, float]:
     """``--mix``: each source's share of the supervised positions."""
+    from .prompts import parse_shares
     return parse_shares(text, SOURCES, "--mix")
 
 

@@ -369,6 +369,24 @@ def drop_benchmark_overlap(prompts: list[str], bench: list[str]) -> tuple[list[s
     return kept, dropped
 
 
+def parse_shares(text: str, names, flag: str) -> dict[str, float]:
+    """``a=0.3,b=0.7`` -> {name: share}: names from ``names``, shares >= 0, one of them positive;
+    a UsageError naming ``flag`` otherwise."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip()
+        try:
+            out[k] = float(v)
+        except ValueError:
+            raise UsageError(f"{flag}: expected name=share pairs, got {text!r}") from None
+        if k not in names or out[k] < 0:
+            raise UsageError(f"{flag}: the names are {', '.join(names)} with shares >= 0, got {part!r}")
+    if sum(out.values()) <= 0:
+        raise UsageError(f"{flag}: at least one needs a positive share")
+    return out
+
+
 def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | None = None,
             heldout: float = 0.05, seed: int = 0, log=print) -> dict:
     mix = dict(DEFAULT_MIX if mix is None else mix)
@@ -377,7 +395,7 @@ def prepare(out_dir: str | os.PathLike, num_prompts: int = 8000, mix: dict | Non
     if not 0 < heldout < 1:
         raise UsageError("heldout must be in (0, 1)")
     if set(mix) - set(DOMAINS) or any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
-        raise UsageError(f"mix: non-negative weights for {', '.join(DOMAINS)}")
+        raise UsageError(f"mix: non-negative weights for {', '.join(DOMAINS)}, one of them positive")
     total = sum(mix.values())
     rng = random.Random(seed)
     makers: dict[str, Callable[[int, random.Random], list]] = {

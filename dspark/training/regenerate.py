@@ -25,7 +25,7 @@ from pathlib import Path
 from ..data import iter_jsonl
 from ..errors import DsparkError, UsageError
 from ..sampling import SamplingParams
-from .prompts import read_prompts
+from .prompts import parse_shares, read_prompts
 
 
 def _done_ids(out: Path) -> set[str]:
@@ -58,7 +58,6 @@ REGIMES = {    # sampling settings answers can be written at: those requests are
 
 def parse_regimes(text: str) -> dict[str, float]:
     """``greedy=0.5,t1=0.5``: each regime's share of the prompts."""
-    from .corpus import parse_shares
     return parse_shares(text, REGIMES, "--regimes")
 
 
