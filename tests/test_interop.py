@@ -135,6 +135,114 @@ def test_layer_ids_convention(tmp_path):
         assert load_foreign(out, target.config, target.embed, target.lm_head).config.target_layer_ids == [0, 2]
 
 
+def _as_vllm_reads(cfg):
+    """What vLLM 0.34.0 makes of an exported config.json, restated here from its source (read from the
+    PyPI sdist vllm-0.34.0.tar.gz), so that the test fails where vLLM would take the checkpoint for
+    something else:
+
+    * vllm/transformers_utils/config.py (``HFConfigParser.parse``): without a top-level ``model_type``,
+      a config.json with a ``speculators_config`` block is a speculators one; otherwise transformers'
+      own parse runs, which needs ``model_type``.
+    * vllm/transformers_utils/configs/speculators/base.py (``SpeculatorsConfig``): the run checks
+      ``speculators_config.proposal_methods[0].speculative_tokens``,
+      ``speculators_config.verifier.name_or_path``, ``speculators_model_type`` and a
+      ``transformer_layer_config`` dict, which becomes the drafter's config (its ``model_type`` ignored).
+    * vllm/transformers_utils/configs/speculators/algos.py (``update_dspark``): type "dspark" gives
+      the class ``Qwen3DSparkModel`` (or a top-level ``Qwen3DSparkModel`` / ``Qwen3OmniDSparkModel``),
+      aux layer ids = ``aux_hidden_state_layer_ids``, target_layer_ids = those - 1, and
+      ``sample_from_anchor`` false when the key is absent; block_size, mask_token_id, markov_* and the
+      confidence keys are copied from the top level.
+    * vllm/config/speculative.py (``hf_config_override``): ``DSparkDraftModel`` with model_type "qwen3"
+      becomes ``Qwen3DSparkModel``; any other model_type keeps it, which the registry
+      (vllm/model_executor/models/registry.py) maps to DeepSeek-V4's DSpark.
+    * vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (``get_eagle3_aux_layers_from_config``):
+      aux ids = ``eagle_aux_hidden_state_layer_ids``, else ``dflash_config.target_layer_ids`` + 1, else
+      top-level ``target_layer_ids`` + 1.
+    * vllm/model_executor/models/qwen3_dflash.py / qwen3_dspark.py: mask_token_id from
+      ``dflash_config`` before the top level; ``markov_rank`` and the confidence keys top level;
+      ``max_position_embeddings`` read by every layer; full-attention ``layer_types`` = non-causal.
+    * vllm/v1/worker/gpu/spec_decode/dspark/config.py and speculator.py: ``block_size`` is the number
+      of speculative tokens, ``sample_from_anchor`` (default true there) the block layout.
+    """
+    if cfg.get("model_type") is None:
+        assert cfg.get("speculators_config") is not None, "neither model_type nor speculators_config"
+        spec, layer = cfg["speculators_config"], cfg["transformer_layer_config"]
+        assert isinstance(layer, dict) and cfg["speculators_model_type"] == "dspark"
+        assert isinstance(spec["verifier"]["name_or_path"], str)
+        names = [a for a in cfg.get("architectures") or [] if a in ("Qwen3DSparkModel", "Qwen3OmniDSparkModel")]
+        aux = list(cfg["aux_hidden_state_layer_ids"])
+        return {"class": (names or ["Qwen3DSparkModel"])[0], "layers": layer["model_type"], "aux": aux,
+                "mask": cfg["mask_token_id"], "tokens": spec["proposal_methods"][0]["speculative_tokens"],
+                "block_size": cfg["block_size"], "sample_from_anchor": cfg.get("sample_from_anchor", False),
+                "markov_rank": cfg.get("markov_rank"), "max_pos": layer.get("max_position_embeddings"),
+                "causal": any(t == "sliding_attention" for t in layer.get("layer_types") or ())}
+    arch = cfg["architectures"][0]
+    if arch == "DSparkDraftModel":
+        arch = "Qwen3DSparkModel" if cfg["model_type"] == "qwen3" else "DeepSeek-V4 DSpark"
+    dflash = cfg.get("dflash_config") or {}
+    aux = (cfg.get("eagle_aux_hidden_state_layer_ids") or [i + 1 for i in dflash.get("target_layer_ids") or []]
+           or [i + 1 for i in cfg.get("target_layer_ids") or []])
+    return {"class": arch, "layers": cfg["model_type"], "aux": aux,
+            "mask": dflash.get("mask_token_id", cfg.get("mask_token_id")), "tokens": cfg["block_size"],
+            "block_size": cfg["block_size"], "sample_from_anchor": cfg.get("sample_from_anchor", True),
+            "markov_rank": cfg.get("markov_rank"), "max_pos": cfg.get("max_position_embeddings"),
+            "causal": any(t == "sliding_attention" for t in cfg.get("layer_types") or ())}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exported_config_is_what_vllm_reads(tmp_path, fmt):
+    """Every layout, for a target whose own model_type is not qwen3 (the drafter's layers are a Qwen3
+    stack whatever the target): vLLM takes it for its Qwen3 DSpark drafter with our layer ids + 1,
+    our mask token, block size, block layout and Markov rank; and our import reads it back."""
+    target = tiny_target()
+    model = _model(target)
+    c = model.config
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 8192,
+            "_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    out, rep = _export(model, target, tmp_path, fmt, base_config=base)
+    cfg = json.loads((out / "config.json").read_text())
+    assert _as_vllm_reads(cfg) == {
+        "class": "Qwen3DSparkModel", "layers": "qwen3", "aux": [1, 3], "mask": c.mask_token_id,
+        "tokens": c.block_size, "block_size": c.block_size, "sample_from_anchor": True,
+        "markov_rank": c.markov_rank, "max_pos": 8192, "causal": False}
+    assert cfg["architectures"] == [L.ARCHITECTURE[fmt]]
+    if fmt == "speculators":
+        assert "model_type" not in cfg            # else vLLM never looks for speculators_config
+        spec = cfg["speculators_config"]
+        assert spec["algorithm"] == "dspark" and spec["verifier"] == {
+            "name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]}
+        assert spec["default_proposal_method"] in [m["proposal_type"] for m in spec["proposal_methods"]]
+        assert "architectures" not in cfg["transformer_layer_config"]   # llama.cpp merges it over the top level
+        assert not [n for n in rep.notes if "verifier" in n]
+    imported = load_foreign(out, target.config, target.embed, target.lm_head)
+    assert (imported.config.target_layer_ids, imported.config.block_size, imported.config.sample_from_anchor,
+            imported.config.mask_token_id, imported.config.kind) == ([0, 2], c.block_size, True, c.mask_token_id, "dspark")
+
+
+def test_export_notes_what_vllm_cannot_take(tmp_path):
+    """A verifier that is not a repository id (vLLM then takes the speculators folder only through
+    --speculative-config), and a drafter without a Markov head."""
+    target = tiny_target()
+    out, rep = _export(_model(target), target, tmp_path, "speculators", verifier=str(tmp_path))
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path)
+    assert any("not a Hugging Face repository id" in n for n in rep.notes)
+    _, rep = _export(_model(target, "dflash", "none"), target, tmp_path / "d", "dflash")
+    assert any("no Markov head" in n for n in rep.notes)
+
+
+def test_dflash_config_block_layout_is_read_when_the_top_level_has_none(tmp_path):
+    """``sample_from_anchor`` nested in ``dflash_config`` (where vLLM's DFlash reads it) counts when the
+    top level does not say."""
+    target = tiny_target()
+    out, _ = _export(_model(target), target, tmp_path, "dflash")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["sample_from_anchor"]
+    cfg["dflash_config"].update(sample_from_anchor=False, block_size=cfg["block_size"] + 1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    imported = load_foreign(out, target.config, target.embed, target.lm_head)
+    assert not imported.config.sample_from_anchor and imported.config.block_size == cfg["block_size"]
+
+
 def test_foreign_markov_table_is_kept_whole(tmp_path):
     """A writer whose W1 rows outside the draft vocabulary differ (DeepSpec trains them all)."""
     target = tiny_target()

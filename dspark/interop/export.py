@@ -26,6 +26,7 @@ what the drafter proposes, tests/test_interop.py):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,19 +145,35 @@ def _base_config(model: DSparkModel, base: dict[str, Any] | None) -> dict[str, A
            if k not in ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path", "rope_scaling",
                         "sliding_window", "use_sliding_window", "max_window_layers", "text_config",
                         "transformers_version", "dtype", "torch_dtype")}
-    cfg.update({"model_type": cfg.get("model_type", "qwen3"), "hidden_size": c.hidden_size,
+    cfg.update({"model_type": L.MODEL_TYPE, "hidden_size": c.hidden_size,
                 "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
                 "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
                 "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_theta": c.rope_theta,
                 "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
                 "layer_types": ["full_attention"] * c.num_hidden_layers, "tie_word_embeddings": False,
+                # vLLM's Qwen3 layers size their RoPE table from it (and raise it to the target's length)
+                "max_position_embeddings": int(cfg.get("max_position_embeddings") or 32768),
                 "torch_dtype": "float32"})
     return cfg
 
 
+def _verifier(base: dict[str, Any] | None, name: str | None) -> dict[str, Any]:
+    """speculators' ``verifier`` block: the target's repository (``name``, else the target config's
+    ``_name_or_path``) and its architectures."""
+    base = base or {}
+    return {"name_or_path": name or base.get("_name_or_path") or None,
+            "architectures": list(base.get("architectures") or [])}
+
+
+def _is_repo_id(name: str | None) -> bool:
+    """A Hugging Face repository id ("org/name"), not a local path: what vLLM accepts as the verifier
+    of a speculators checkpoint served by itself."""
+    return bool(name and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not Path(name).exists())
+
+
 def _config(model: DSparkModel, fmt: str, num_target_layers: int, base: dict[str, Any] | None,
-            shifts_dropped: bool) -> dict[str, Any]:
+            shifts_dropped: bool, verifier: str | None = None) -> dict[str, Any]:
     c = model.config
     has_markov = model.head is not None
     dspark_keys: dict[str, Any] = {
@@ -183,14 +200,23 @@ def _config(model: DSparkModel, fmt: str, num_target_layers: int, base: dict[str
     if fmt == "deepspec":
         cfg = {**base_cfg, **dspark_keys, "target_layer_ids": list(c.target_layer_ids)}
     elif fmt == "dflash":
+        # model_type qwen3 (from base_cfg) is what makes vLLM read DSparkDraftModel as its Qwen3 DSpark
         cfg = {**base_cfg, **dspark_keys,
                "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
                                  "block_size": c.block_size}}
-    else:   # speculators: the layer hyperparameters nested, ids shifted by one
+    else:   # speculators: the layer hyperparameters nested, ids shifted by one, and no top-level
+        # model_type: vLLM takes a config.json for a speculators one only by its speculators_config block
         cfg = {**dspark_keys, "speculators_model_type": "dspark", "transformer_layer_config": layers,
                "aux_hidden_state_layer_ids": L.engine_layer_ids(c.target_layer_ids),
                "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
-               "vocab_size": c.vocab_size}
+               "vocab_size": c.vocab_size,
+               "speculators_config": {
+                   "algorithm": "dspark",
+                   # every slot drafts (sample_from_anchor), so a round proposes block_size tokens
+                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size,
+                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                   "default_proposal_method": "greedy",
+                   "verifier": _verifier(base, verifier)}}
     cfg["architectures"] = [L.ARCHITECTURE[fmt]]
     if shifts_dropped:
         ext["sts_note"] = f"{L.SGLANG_STS_FILE} carries the temperatures only; the shifts are in this block"
@@ -218,9 +244,10 @@ def _sts_json(model: DSparkModel) -> tuple[dict[str, Any] | None, bool]:
 
 def export_model(model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor, num_target_layers: int,
                  out: Path, fmt: str, *, base_config: dict[str, Any] | None = None, allow_inexact: bool = False,
-                 dtype: torch.dtype = torch.float32) -> ExportReport:
+                 dtype: torch.dtype = torch.float32, verifier: str | None = None) -> ExportReport:
     """Write ``model`` (a loaded drafter of ours, in fp32) into ``out`` in layout ``fmt``, with the
-    target's embeddings [V, d] and LM head [V, d]."""
+    target's embeddings [V, d] and LM head [V, d]. ``verifier``: the target's Hugging Face repository,
+    named in the speculators layout (default: the target config's ``_name_or_path``)."""
     if fmt not in L.FORMATS:
         raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(L.FORMATS)}")
     c = model.config
@@ -241,8 +268,9 @@ def export_model(model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = _config(model, fmt, num_target_layers, base_config, dropped)
+    cfg = _config(model, fmt, num_target_layers, base_config, dropped, verifier)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    notes.extend(_vllm_notes(model, fmt, cfg))
     if sts is not None:
         (out / L.SGLANG_STS_FILE).write_text(json.dumps(sts, indent=2) + "\n")
     report = ExportReport(folder=str(out), format=fmt, architecture=L.ARCHITECTURE[fmt], tensors=len(tensors),
@@ -252,6 +280,22 @@ def export_model(model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor,
                           engine_layer_ids=L.engine_layer_ids(c.target_layer_ids), inexact=inexact, notes=notes)
     (out / "dspark_export.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def _vllm_notes(model: DSparkModel, fmt: str, cfg: dict[str, Any]) -> list[str]:
+    """What vLLM does with the export, where that is not simply "serves it"."""
+    notes = []
+    if model.head is None:
+        notes.append("no Markov head (a DFlash drafter of ours): vLLM would build its Qwen3 DSpark with a Markov "
+                     "head of rank 0 (not tried there); its DFlash class, the one without a Markov head, refuses "
+                     "blocks that draft from the anchor slot. llama.cpp and our import read it")
+    if fmt == "speculators":
+        name = cfg["speculators_config"]["verifier"]["name_or_path"]
+        if not _is_repo_id(name):
+            notes.append(f"verifier {name!r} is not a Hugging Face repository id: vLLM takes this folder as the "
+                         "model of --speculative-config, but not as a model served by itself (`vllm serve "
+                         "FOLDER` loads the verifier named there)")
+    return notes
 
 
 def hf_config_of(path: Path) -> dict[str, Any] | None:
@@ -290,4 +334,5 @@ def export_drafter(drafter: str, fmt: str, out: Path, *, target: str | None = No
                          f"hidden {cfg.target_hidden_size}), not {t.name} (vocab {tc.vocab_size}, hidden {tc.hidden_size})")
     model = DSparkModel.load(path)
     return export_model(model, t.model.embed, t.model.lm_head, tc.num_layers, out, fmt,
-                        base_config=hf_config_of(t.path), allow_inexact=allow_inexact, dtype=dtype)
+                        base_config=hf_config_of(t.path), allow_inexact=allow_inexact, dtype=dtype,
+                        verifier=L.VERIFIER_REPOS.get(t.name))

@@ -1,6 +1,7 @@
 """Import: a drafter checkpoint in an engine's layout (DeepSpec ``Qwen3DSparkModel``, SpecForge
 ``DSparkDraftModel`` with a nested ``dflash_config``, speculators ``DSparkDraftModel`` with
-``speculators_model_type`` and a nested ``transformer_layer_config``) loaded into
+``speculators_model_type``, a nested ``transformer_layer_config`` and a ``speculators_config`` block,
+which is not needed here) loaded into
 our drafter class, so the engine serves it like one of ours (drafting, verification, scheduling).
 
 The inverse of export.py, for any writer: the Markov table ``[vocab, rank]`` is kept whole unless
@@ -32,7 +33,7 @@ def is_foreign(data: dict[str, Any]) -> bool:
     """Whether a config.json is one of the engines' layouts (not ours, not a plain LM)."""
     archs = data.get("architectures") or []
     return (any(a in L.IMPORTABLE or a in L.KNOWN_UNSUPPORTED for a in archs)
-            or "speculators_model_type" in data or "dflash_config" in data)
+            or "speculators_model_type" in data or "speculators_config" in data or "dflash_config" in data)
 
 
 def _bad(folder: Path, msg: str) -> UsageError:
@@ -68,6 +69,8 @@ def _hparams(folder: Path, raw: dict[str, Any]) -> dict[str, Any]:
     for key in ("target_layer_ids", "mask_token_id", "block_size"):
         if key in dflash:
             h[key] = dflash[key]
+    if "sample_from_anchor" not in raw and "sample_from_anchor" in dflash:
+        h["sample_from_anchor"] = dflash["sample_from_anchor"]
     for key in ("target_layer_ids", "mask_token_id", "block_size", "hidden_size", "intermediate_size",
                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if h.get(key) is None:

@@ -15,19 +15,35 @@ from __future__ import annotations
 
 FORMATS = ("deepspec", "dflash", "speculators")
 
-# the ``architectures`` each format writes. DFlash: SpecForge's DSpark name with DFlash's nested
-# ``dflash_config``; z-lab's ``DFlashDraftModel`` means a block whose slot j predicts the token at
-# slot j (the anchor slot's output unused), while our blocks predict the next token from every slot,
-# anchor included (``sample_from_anchor``), which the DSpark names mean. speculators: what the package
-# writes (its ``save_pretrained`` names the model class; ``DSparkSpeculator``, its config's default, is
-# read too); its loaders dispatch on ``speculators_model_type``
+# the ``architectures`` each format writes. vLLM (0.34.0) picks its class from these names:
+# ``Qwen3DSparkModel`` is its Qwen3 DSpark drafter whatever the model_type; ``DSparkDraftModel`` is
+# DeepSeek-V4's DSpark (weights inside the target) unless model_type is "qwen3", which it rewrites to
+# ``Qwen3DSparkModel`` (vllm/config/speculative.py, ``hf_config_override``); a speculators checkpoint
+# (``speculators_model_type: dspark``) becomes ``Qwen3DSparkModel`` too
+# (vllm/transformers_utils/configs/speculators/algos.py). DFlash: SpecForge's DSpark name with
+# DFlash's nested ``dflash_config``; z-lab's ``DFlashDraftModel`` means a block whose slot j predicts
+# the token at slot j (the anchor slot's output unused), while our blocks predict the next token from
+# every slot, anchor included (``sample_from_anchor``), which the DSpark names mean (vLLM's DFlash
+# runtime refuses ``sample_from_anchor``). speculators: what the package writes (its
+# ``save_pretrained`` names the model class; ``DSparkSpeculator``, its config's default, is read too);
+# its loaders, and vLLM's, dispatch on ``speculators_model_type``
 ARCHITECTURE = {"deepspec": "Qwen3DSparkModel", "dflash": "DSparkDraftModel", "speculators": "DSparkDraftModel"}
+# the drafter's layers are a Qwen3 stack (q/k RMSNorm, no biases) whatever the target is: every
+# layout says so, and vLLM reads ``DSparkDraftModel`` as the Qwen3 DSpark only under this model_type
+MODEL_TYPE = "qwen3"
 # what the import accepts (llama.cpp's converter registers the same names)
 IMPORTABLE = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "DFlashDraftModel")
 # z-lab's DFlash: a bonus-anchor block unless the config says otherwise (llama.cpp reads it so)
 BONUS_ANCHOR_BY_DEFAULT = ("DFlashDraftModel",)
 # foreign architectures recognised, so that they get a precise error instead of "not a drafter"
 KNOWN_UNSUPPORTED = ("DFlash2DraftModel", "Lfm2DSparkDraftModel", "LingDSparkModel")
+
+# the Hugging Face repositories of the bundled targets: a speculators checkpoint names its verifier
+# there (``speculators_config.verifier.name_or_path``), and vLLM serves the checkpoint by itself
+# (``vllm serve DRAFTER``) only when that is a repository id, not a local path
+VERIFIER_REPOS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                  "qwen2.5-coder-0.5b-instruct": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                  "qwen2.5-coder-1.5b-instruct": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
 
 SGLANG_STS_FILE = "sts_calibration.json"    # SGLang's STS calibration (temperatures per position)
 EXTENSION_KEY = "dspark"                    # our own block in config.json: what the layouts cannot carry
