@@ -367,6 +367,8 @@ def test_wsd_schedule_is_flat_then_decays_to_zero():
     assert all(v == 1.0 for v in lrs[10:80])                 # stable: extending the run changes nothing here
     assert all(a > b for a, b in zip(lrs[80:], lrs[81:])) and lrs[99] == pytest.approx(0.05)
     assert all(lr_at(s, 100, cfg) == lr_at(s, 1000, cfg) for s in range(80))   # a longer run starts alike
+    short = [lr_at(s, 36, TrainConfig(lr=1.0, warmup_steps=50, schedule="wsd", decay=0.2)) for s in range(36)]
+    assert max(short) == 1.0 and short[8] == 1.0 and short[-1] < 0.2     # a short run still peaks and decays
 
 
 def test_online_training_on_corpus_rows_with_every_anchor_and_the_heldout_signal(tmp_path):

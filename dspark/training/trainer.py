@@ -94,7 +94,9 @@ def measured_weights(signal: dict, block_size: int) -> list[float]:
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    warm = max(1, cfg.warmup_steps if cfg.schedule == "wsd" else round(cfg.warmup * total))
+    # wsd: warmup_steps, but at most a quarter of a short run (which would otherwise end still
+    # warming up, never at the peak and never decayed)
+    warm = max(1, min(cfg.warmup_steps, total // 4) if cfg.schedule == "wsd" else round(cfg.warmup * total))
     if step < warm:
         return cfg.lr * (step + 1) / warm
     if cfg.schedule == "wsd":
