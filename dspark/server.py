@@ -326,6 +326,7 @@ class Server:
         self.target = target
         self.tokenizer = target.tokenizer
         self.tool_format = tool_calls.pick_format(target.tokenizer, tool_format)
+        self.tool_tags = tool_calls.tag_tokens(target.tokenizer)
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key      # what the door asks for (Door), kept here for the app's users
@@ -440,7 +441,7 @@ class Server:
         """The calls' grammar, compiled and checked in the grammar sandbox; a schema it refuses is
         named (``tools.N.function.parameters``)."""
         try:
-            return self.grammars.compile("grammar", tool_calls.grammar(functions, mode, parallel))
+            return self.grammars.compile("grammar", tool_calls.grammar(functions, mode, parallel, self.tool_tags))
         except DsparkError as e:
             for i, f in enumerate(functions):
                 try:

@@ -131,13 +131,32 @@ def _not_open() -> str:
     return "/<(" + "|".join(alts) + ")/"
 
 
-def grammar(functions: list[Function], choice: str | None, parallel: bool = True) -> str:
-    """The Lark grammar of the output: ``choice`` auto, required, or a function's name."""
+def tag_tokens(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of OPEN and CLOSE where the tokenizer has each as one added token (Qwen2.5's
+    ``<tool_call>``): llguidance reads added tokens as special, so the grammar names them by id (the
+    model writes them as that token, not as the bytes of their text). None where a tag is text."""
+    added = {t.content: i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    return added.get(OPEN), added.get(CLOSE)
+
+
+def grammar(functions: list[Function], choice: str | None, parallel: bool = True,
+            tags: tuple[int | None, int | None] = (None, None)) -> str:
+    """The Lark grammar of the output: ``choice`` auto, required, or a function's name; ``tags``:
+    ``tag_tokens`` of the tokenizer."""
+    def piece(text: str, tag: str, token: int | None) -> str:
+        """``text``, its ``tag`` as the token that is it where there is one."""
+        if token is None:
+            return json.dumps(text)
+        before, after = text.split(tag, 1)
+        return " ".join(p for p in (json.dumps(before) if before else "", f"<[{token}]>",
+                                    json.dumps(after) if after else "") if p)
+
     def call(f: Function) -> str:
         # arguments as the call syntax writes them: one line, ", " and ": " (the text the templates
         # and their models write; flexible whitespace would let a model spend tokens on indentation)
         schema = {**(f.parameters or {"type": "object"}), "x-guidance": JSON_STYLE}
-        return json.dumps(HEAD + f.name + MID) + " %json " + json.dumps(schema) + " " + json.dumps(TAIL)
+        return " ".join([piece(HEAD + f.name + MID, OPEN, tags[0]), "%json", json.dumps(schema),
+                         piece(TAIL, CLOSE, tags[1])])
     named = [f for f in functions if f.name == choice]
     pool = named or functions
     rules = [f"call_{i}: {call(f)}" for i, f in enumerate(pool)]

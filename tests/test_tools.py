@@ -115,6 +115,17 @@ def test_the_grammar_admits_well_formed_calls_of_the_named_tools_only(target_fp3
     assert _accepts(target_fp32, single, good) and not _accepts(target_fp32, single, two)
 
 
+def test_tags_that_are_added_tokens_are_named_by_id_in_the_grammar(target_fp32):
+    import copy
+    tok = copy.deepcopy(target_fp32.tokenizer)
+    assert tools.tag_tokens(tok) == (None, None)            # SmolLM2: the tags are text
+    tok.add_tokens([tools.OPEN, tools.CLOSE])
+    tags = tools.tag_tokens(tok)
+    assert tags == tuple(tok.convert_tokens_to_ids([tools.OPEN, tools.CLOSE]))
+    text = tools.grammar([tools.Function("f", "", ADD)], "required", True, tags)
+    assert f"<[{tags[0]}]> " in text and f" <[{tags[1]}]>" in text and tools.OPEN not in text
+
+
 QWEN_LIKE = ("{%- if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
              "Call with <tool_call></tool_call>.<|im_end|>\n{%- endif %}"
              "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
