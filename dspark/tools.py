@@ -162,7 +162,8 @@ def grammar(functions: list[Function], choice: str | None, parallel: bool = True
     rules = [f"call_{i}: {call(f)}" for i, f in enumerate(pool)]
     one = " | ".join(f"call_{i}" for i in range(len(pool)))
     lines = [f"call: {one}", *rules]
-    calls = 'call ("\\n" call)*' if parallel and not named else "call"
+    # a newline may close the calls (a model trained on the syntax writes one before its end of turn)
+    calls = 'call ("\\n" call)* "\\n"?' if parallel and not named else 'call "\\n"?'
     if choice == "auto":
         lines = ["start: text | text? calls", "text: (CHUNK | NOT_OPEN | \"<\")+", f"calls: {calls}",
                  "CHUNK: /[^<]+/", f"NOT_OPEN: {_not_open()}", *lines]
@@ -247,6 +248,9 @@ class ToolCallStream:
                     self._buf, self._state = b[1:] if b.startswith(nxt) else b, "head"
                     continue
                 if not final and nxt.startswith(b):
+                    break
+                if final and not b.strip():     # the newline that may close the calls
+                    self._buf = ""
                     break
                 self._state = "text"        # anything else (no grammar allows it) is text
         self.content += content

@@ -41,6 +41,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x":
     "Just text, with a <table> and a < sign.",
     "Let me look. " + CALL,
     CALL + "\n" + CALL.replace("get_weather", "add"),
+    CALL + "\n",                        # the newline that may close the calls
     CALL[:-5],                          # cut off inside the closing tag
     CALL[:40],                          # cut off inside the arguments
     CALL[:25],                          # cut off inside the name
@@ -101,6 +102,8 @@ def test_the_grammar_admits_well_formed_calls_of_the_named_tools_only(target_fp3
         "I will check. " + good: ("auto",),
         good: ("auto", "required", "get_weather"),
         two: ("auto", "required"),
+        two + "\n": ("auto", "required"),
+        good + "\n\n": (),
         '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Lyon"}}\n</tool_call>': (),  # not its schema
         '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>': (),                       # not a tool
         "Oops <tool_call> not a call": (),
