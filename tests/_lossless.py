@@ -78,3 +78,30 @@ def chi2_pvalue(counts, law, min_expected: float = 5.0):
         obs = np.append(obs[~small], obs[small].sum())
         exp = np.append(exp[~small], exp[small].sum())
     return chisquare(obs, exp).pvalue
+
+
+def constrained_law(target, grammar, prompt, n_new, params, vocab, end, bias=None):
+    """{output: probability} of every output of at most ``n_new`` tokens (ending at the token
+    ``end`` or at n_new) under the grammar's masks: a fresh matcher fed the output so far at each
+    step. ``target``: a loaded target (model and tokenizer); ``bias``: added to the logits first (a
+    law other than the target's, that a test must tell apart)."""
+    from dspark.structured import grammar_state
+    law = {}
+
+    def walk(seq, p):
+        if len(seq) == n_new or (seq and seq[-1] == end):
+            law[tuple(seq)] = law.get(tuple(seq), 0.0) + p
+            return
+        cache = target.model.new_cache(1, len(prompt) + n_new + 1)
+        ids = prompt + seq
+        logits = target.model(torch.tensor(ids), [(cache.allocate(), len(ids))], cache).logits[-1:].float()
+        if bias is not None:
+            logits = logits + bias
+        g = grammar_state(target, grammar)
+        g.advance(list(seq))
+        probs = probs_from_logits(logits.masked_fill(~g.masks([])[0], float("-inf")), params)[0]
+        for t in range(vocab):
+            if probs[t] > 0:
+                walk(seq + [t], p * float(probs[t]))
+    walk([], 1.0)
+    return law

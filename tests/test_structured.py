@@ -5,7 +5,6 @@ grammar); the row masks of a block; clear errors for bad constraints."""
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,10 +15,10 @@ from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.errors import UsageError
 from dspark.runtime.model import Decoder
-from dspark.sampling import SamplingParams, probs_from_logits
+from dspark.sampling import SamplingParams
 from dspark.structured import GrammarSpec, grammar_state
 
-from _lossless import CyclingPolicy, chi2_pvalue
+from _lossless import CyclingPolicy, chi2_pvalue, constrained_law
 from _tiny import tiny_drafter_model, tiny_target
 
 EOS = 4
@@ -45,31 +44,8 @@ def _target(decoder):
     return SimpleNamespace(model=decoder, tokenizer=tok, eos_token_ids=(EOS,))
 
 
-def _allowed(target, grammar, prefix):
-    """Reference mask after ``prefix``: a fresh matcher fed the prefix one token at a time."""
-    g = grammar_state(target, grammar)
-    g.advance(list(prefix))
-    return g.masks([])[0]
-
-
 def _constrained_law(target, grammar, prompt, n_new, params):
-    """{output: probability} of every output of at most n_new tokens (ending at EOS or at n_new)."""
-    law = {}
-
-    def walk(seq, p):
-        if len(seq) == n_new or (seq and seq[-1] == EOS):
-            law[tuple(seq)] = law.get(tuple(seq), 0.0) + p
-            return
-        cache = target.model.new_cache(1, len(prompt) + n_new + 1)
-        ids = prompt + seq
-        logits = target.model(torch.tensor(ids), [(cache.allocate(), len(ids))], cache).logits[-1:].float()
-        logits = logits.masked_fill(~_allowed(target, grammar, seq), float("-inf"))
-        probs = probs_from_logits(logits, params)[0]
-        for t in range(5):
-            if probs[t] > 0:
-                walk(seq + [t], p * float(probs[t]))
-    walk([], 1.0)
-    return law
+    return constrained_law(target, grammar, prompt, n_new, params, vocab=5, end=EOS)
 
 
 def test_constrained_output_follows_the_masked_law_through_drafting():
