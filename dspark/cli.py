@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
 
     from . import cli_training
+    from .simulation import cli as simulation
+    simulation.add_parser(sub, sys.modules[__name__])
     cli_training.add_parsers(sub, sys.modules[__name__])
     return parser
 
@@ -444,6 +446,10 @@ def main(argv=None) -> int:
             return cmd_profile(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "simulate":
+            _setup_torch(args)
+            from .simulation.run import run_simulate
+            return run_simulate(args)
         from .cli_training import COMMANDS
         if args.command in COMMANDS:
             _setup_torch(args)

@@ -25,11 +25,54 @@ from ..sampling import SamplingParams
 from ..scheduling.policies import FixedPolicy
 
 
+CONFIDENCE_BINS = 20
+
+
+class ConfidenceBins(FixedPolicy):
+    """The fixed block, recording the drafter's confidences against what the target accepted: per
+    draft position k, in ``CONFIDENCE_BINS`` equal-width bins of c_k, how many verified tokens
+    reached k (tokens 1..k-1 accepted), how many of those were accepted, and their confidences'
+    sum (what `dspark simulate` draws a drafter's proposals from)."""
+
+    def __init__(self, block: int):
+        super().__init__(block)
+        self.count = [[0] * CONFIDENCE_BINS for _ in range(max(1, block))]
+        self.accepted = [[0] * CONFIDENCE_BINS for _ in range(max(1, block))]
+        self.total = [[0.0] * CONFIDENCE_BINS for _ in range(max(1, block))]
+        self._pending: dict[int, list[float]] = {}      # request id -> this step's verified confidences
+
+    def verify_lengths(self, requests, proposals):
+        lengths = super().verify_lengths(requests, proposals)
+        for r, p, n in zip(requests, proposals, lengths):
+            if n and p.confidences is not None:
+                self._pending[r.id] = p.confidences[:n].tolist()
+        return lengths
+
+    def observe(self, outcome) -> None:
+        for o in outcome.requests:
+            conf = self._pending.pop(o.request_id, None)
+            if conf is None or o.forced:
+                continue
+            for k, c in enumerate(conf[:min(len(conf), o.accepted + 1, len(self.count))]):
+                b = min(CONFIDENCE_BINS - 1, max(0, int(c * CONFIDENCE_BINS)))
+                self.count[k][b] += 1
+                self.accepted[k][b] += int(k < o.accepted)
+                self.total[k][b] += c
+
+    def to_json(self) -> dict | None:
+        """{"count", "accepted", "confidence_sum"}, each [position][bin]; None if nothing was recorded."""
+        if not any(any(row) for row in self.count):
+            return None
+        return {"count": self.count, "accepted": self.accepted, "confidence_sum": self.total}
+
+
 def run_drafter(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                seed: int, block: int, concurrency: int = 8, exact_seed: bool = False) -> list[dict]:
-    """Per-prompt counters: rounds, accepted drafts, drafted tokens, accepted per position."""
+                seed: int, block: int, concurrency: int = 8, exact_seed: bool = False,
+                bins: ConfidenceBins | None = None) -> list[dict]:
+    """Per-prompt counters: rounds, accepted drafts, drafted tokens, accepted per position; the
+    drafter's confidences against the accepted tokens go to ``bins`` where given."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + block + 2
-    engine = Engine(target.model, drafter, FixedPolicy(block), max_requests=concurrency, max_len=max_len,
+    engine = Engine(target.model, drafter, bins or FixedPolicy(block), max_requests=concurrency, max_len=max_len,
                     block_size=block, eos_ids=target.eos_token_ids)
     reqs = [engine.add_request(p, SamplingParams(temperature=temperature, seed=seed + i), max_new_tokens,
                                exact_seed=exact_seed)
@@ -91,12 +134,16 @@ def evaluate(target, drafters: dict, datasets: list[str], *, num_prompts: int, m
     results = []
     for d in datasets:
         for name, drafter in drafters.items():   # drafters side by side on each benchmark
+            bins = ConfidenceBins(block)
             per = run_drafter(target, drafter, prompts[d], max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed, block=block, concurrency=concurrency,
-                              exact_seed=exact_seed)
+                              exact_seed=exact_seed, bins=bins)
             raw[name][d] = per
             row = {"drafter": name, "benchmark": d, "temperature": temperature, **summarize(per, block),
-                   "per_prompt": [{"rounds": p["rounds"], "accepted": p["accepted"]} for p in per]}
+                   "per_prompt": [{"rounds": p["rounds"], "accepted": p["accepted"], "tokens": p["tokens"],
+                                   "prompt_tokens": len(q)} for p, q in zip(per, prompts[d])]}
+            if bins.to_json() is not None:
+                row["confidence_bins"] = bins.to_json()
             results.append(row)
             if log:
                 log(f"{d:>14} {name:>12}: tau {row['tau']:.3f}")

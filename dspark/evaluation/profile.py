@@ -7,6 +7,7 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from ..drafters.base import Drafter, Proposal
@@ -92,6 +93,7 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
     requests, verified, contexts = (sorted(set(a)) for a in (requests, verified, contexts))   # the table's axes
     vocab = target.model.config.vocab_size
     grid, draft_grid = [], []
+    prefills: list[tuple[int, float]] = []     # (prompt tokens, seconds) of each prefill step
     max_v = max(verified)
     for ctx_len in contexts:
         per_ctx, draft_ctx = [], []
@@ -110,7 +112,9 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
                             prefill_chunk=1 << 30)
             reqs = [engine.add_request(base[i % len(base)], params, new_tokens, stop_ids=())
                     for i in range(R)]
+            t = time.perf_counter()
             engine.step()  # prefill every request in one forward
+            prefills.append((R * ctx_len, time.perf_counter() - t))
             for v in verified:
                 engine.policy = FixedPolicy(v)
                 engine.step()  # warm-up at this shape
@@ -141,7 +145,20 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
                                       context=min(256, max(contexts)), temperature=temperature)
     return CostTable(table_key_for(target, drafter), list(requests), list(verified), list(contexts), grid,
                      machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads", draft=draft_grid,
-                     context_row=context_row)
+                     context_row=context_row, prefill=list(line_fit(prefills)))
+
+
+def line_fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of seconds = a + b x tokens, least squares over (tokens, seconds) samples, both >= 0
+    (through the origin where the free fit's intercept is negative)."""
+    x = np.array([n for n, _ in samples], dtype=float)
+    y = np.array([s for _, s in samples], dtype=float)
+    if len(set(x.tolist())) < 2:
+        return 0.0, float(y.mean() / max(1.0, x.mean()))
+    b, a = np.polyfit(x, y, 1)
+    if a < 0:
+        a, b = 0.0, float((x * y).sum() / (x * x).sum())
+    return float(a), float(max(0.0, b))
 
 
 def plot(table: CostTable, path) -> None:

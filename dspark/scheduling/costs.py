@@ -102,6 +102,8 @@ class CostTable:
                                  # those steps (None: not measured, counted as the target's)
     context_row: float = 0.0     # seconds the drafter takes per context row it catches up on (the
                                  # positions a request verified since it last drafted)
+    prefill: list | None = None  # [a, b]: a step prefilling n prompt tokens (and decoding none) takes
+                                 # a + b x n seconds (None: not measured, see ``prefill_fit``)
 
     def __post_init__(self) -> None:
         self._memo: dict = {}    # schedulers ask for the same few points every step
@@ -169,10 +171,22 @@ class CostTable:
         curve = [a + fr * (b - a) for a, b in zip(g[r0], g[r1])]
         return np.interp(verified, self.verified, curve)
 
+    def prefill_fit(self) -> tuple[float, float]:
+        """(a, b): a step prefilling n prompt tokens alone takes a + b x n seconds, and b x n beside
+        decoding requests. Where the profile did not measure it: a verified row's price at the most
+        requests and tokens the table holds (a prompt row costs the forward as much), and a plain
+        step of one request for a."""
+        if self.prefill:
+            return float(self.prefill[0]), float(self.prefill[1])
+        R, v = self.requests[-1], self.verified[-1]
+        c = self.contexts[0]
+        b = (self.target_seconds(R, v, c) - self.target_seconds(R, 0, c)) / max(1, R * v)
+        return self.target_seconds(1, 0, c), max(0.0, b)
+
     def to_json(self) -> dict:
         return {"key": self.key, "requests": self.requests, "verified": self.verified,
                 "contexts": self.contexts, "seconds": self.seconds, "draft": self.draft, "machine": self.machine,
-                "context_row": self.context_row}
+                "context_row": self.context_row, "prefill": self.prefill}
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path) if path else table_path(self.key)
@@ -187,7 +201,7 @@ class CostTable:
         try:
             d = json.loads(Path(path).read_text())
             t = cls(d["key"], d["requests"], d["verified"], d["contexts"], d["seconds"], d.get("machine", ""),
-                    d.get("draft"), float(d.get("context_row", 0.0)))
+                    d.get("draft"), float(d.get("context_row", 0.0)), d.get("prefill"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DsparkError(f"cannot read cost table {str(path)!r}: {e}; run `dspark profile` again") from None
         if t.draft is None:
@@ -195,7 +209,10 @@ class CostTable:
                               "run `dspark profile` again")
         shape = (len(t.contexts), len(t.requests), len(t.verified))
         increasing = all(all(a < b for a, b in zip(ax, ax[1:])) for ax in (t.requests, t.verified, t.contexts))
-        if np.asarray(t.seconds).shape != shape or np.asarray(t.draft).shape != shape or not increasing:
+        prefill_ok = t.prefill is None or (isinstance(t.prefill, list) and len(t.prefill) == 2
+                                           and all(isinstance(x, (int, float)) and x >= 0 for x in t.prefill))
+        if (np.asarray(t.seconds).shape != shape or np.asarray(t.draft).shape != shape or not increasing
+                or not prefill_ok):
             raise DsparkError(f"cost table {str(path)!r} is malformed; run `dspark profile` again")
         return t
 
