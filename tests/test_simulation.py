@@ -248,3 +248,18 @@ def test_eval_records_confidence_bins():
     mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
     lo = np.arange(20) / 20
     assert ((mean >= lo - 1e-9) & (mean <= lo + 0.05 + 1e-9) | (count == 0)).all()   # each bin's own confidences
+
+
+def test_open_loop_queues_requests_when_they_arrive_faster_than_served():
+    """Poisson arrivals: at a low rate requests rarely overlap (latency near a lone request's, about
+    one request in flight); past the slots' capacity they queue (latency grows, the slots stay full)."""
+    costs = TableCosts(_table())
+    scen = Scenario(costs, AcceptanceModel.describe_spec("rate=0.6,auroc=0.8"), [Job(8, 20, "x")], block=3,
+                    max_requests=4, decisions=False)
+    lone = scen.run("fixed", concurrency=1, num_requests=8)
+    slow = scen.run("fixed", rate=0.5, num_requests=40)
+    fast = scen.run("fixed", rate=200.0, num_requests=40)
+    assert slow["requests"] == fast["requests"] == 40
+    assert slow["latency_seconds"]["p50"] == pytest.approx(lone["latency_seconds"]["p50"], rel=0.5)
+    assert slow["concurrency"] < 1.5 < 3.5 < fast["concurrency"] <= 4
+    assert fast["latency_seconds"]["p90"] > 3 * slow["latency_seconds"]["p90"]

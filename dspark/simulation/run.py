@@ -108,8 +108,8 @@ def pareto_plot(results: list[dict], path: str, sla: list[float] | None = None, 
             ax.annotate(f"{r['concurrency']:.0f}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
     for speed in sla or []:
         ax.axhline(speed, color="grey", ls="--", lw=1)
-        ax.annotate(f"SLA {speed:g} tok/s per user", (0, speed), xycoords=("axes fraction", "data"),
-                    textcoords="offset points", xytext=(4, 3), fontsize=8, color="grey")
+        ax.annotate(f"SLA {speed:g} tok/s per user", (1, speed), xycoords=("axes fraction", "data"),
+                    textcoords="offset points", xytext=(-4, 3), ha="right", fontsize=8, color="grey")
     ax.set_xlabel("total tokens/s")
     ax.set_ylabel("tokens/s per user")
     ax.set_title(title or "Simulated frontier (labels: concurrency)", fontsize=10)
