@@ -75,8 +75,9 @@ def _add_model_flags(p: argparse.ArgumentParser, compile_default: bool = False) 
                         "it); costs about 17 %% of a forward at one request, 3 %% for blocks of 8, on the README's CPU")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile_default,
                    help="run one request's decoding and verification forwards, and a trained drafter's "
-                        "pass, as compiled graphs (bf16 on a CPU; builds them at start, about 2 minutes on 2 "
-                        "cores and 40 s more for a trained drafter; default: "
+                        "pass, as compiled graphs (bf16 on a CPU; building them takes about 2 minutes on 2 "
+                        "cores and 40 s more for a trained drafter: at start, or for `serve` beside serving, "
+                        "which answers eagerly until they are built; default: "
                         + ("on" if compile_default else "off") + ")")
 
 
@@ -155,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how tools are rendered and calls written: hermes (the chat template renders the tools, "
                          "calls in <tool_call> tags, as Qwen2.5), generic (the tools described in the system turn, "
                          "the same tags); auto: hermes where the template knows tools (default: auto)")
+    sv.add_argument("--wait-for-graphs", action="store_true",
+                    help="with --compile: build the compiled graphs before answering (about 3 minutes on 2 cores) "
+                         "instead of answering at once with the eager forwards, slower while they build; "
+                         "/health says which ({\"compiled\": true} once they are in use)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_model_flags(sv, compile_default=True)
 
@@ -374,9 +379,17 @@ def cmd_serve(args) -> int:
         raise UsageError(f"port must be at most 65535, got {args.port}")
     check_policy_name(args.policy)
     _setup_torch(args)
+    # --compile: the graphs are built beside serving (compiling.py), the server answers at once
+    compile_graphs, args.compile = args.compile, False
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
     engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len, args.prefix_caching)
+    if compile_graphs:
+        from .compiling import GraphBuilder
+        builder = GraphBuilder(target.model, drafter,
+                               say=lambda line: print(f"dspark: {line}", file=sys.stderr, flush=True)).start()
+        if args.wait_for_graphs:      # answer nothing until they are built (as a benchmark wants)
+            builder.thread.join()
     serve(target, engine, args.host, args.port, args.served_model_name,
           args.api_key or os.environ.get("DSPARK_API_KEY") or None, args.log_level,
           max_body_mb=args.max_body_mb, max_prompts=args.max_prompts, metrics_open=args.metrics_open,

@@ -837,8 +837,10 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-async def health():
-    return {"status": "ok"}
+async def health(request: Request):
+    """Up; ``compiled``: whether one request's forwards run as compiled graphs yet (`dspark serve`
+    builds them beside serving: dspark/compiling.py)."""
+    return {"status": "ok", "compiled": bool(getattr(_server(request).engine.target, "compiled", False))}
 
 
 async def metrics(request: Request):

@@ -206,7 +206,8 @@ def test_api_key(target_fp32):
             OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         ok = OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
         assert ok.completions.create(model="smollm2-135m-instruct", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
-        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200   # health needs no key
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:     # health needs no key
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok", "compiled": False}   # eager here
 
 
 def test_dropped_stream_cancels_its_request(server):

@@ -210,13 +210,24 @@ class DSparkDrafter(Drafter):
         building them at once; what happened, in one line."""
         if self._compiled is not None and not self._compiled.disabled:
             return "compiled already"
-        self._compiled = CompiledBlock(self)
-        if not self._compiled.disabled:
-            seconds = warm_up(self, self._compiled)
-            if not self._compiled.disabled:
-                self._compiled.warm = True
-                return f"compiled the {self.name} drafter's one-request pass in {seconds:.0f} s"
-        return f"eager {self.name} drafter ({self._compiled.disabled})"
+        graphs, what = self.build_graphs()
+        self.use_graphs(graphs)
+        return what
+
+    def build_graphs(self) -> tuple[CompiledBlock | None, str]:
+        """The compiled graphs built (on a scratch cache), not yet used, and what happened in one
+        line (``use_graphs`` then; see Decoder.build_graphs)."""
+        graphs = CompiledBlock(self)
+        if not graphs.disabled:
+            seconds = warm_up(self, graphs)
+            if not graphs.disabled:
+                graphs.warm = True
+                return graphs, f"compiled the {self.name} drafter's one-request pass in {seconds:.0f} s"
+        return graphs, f"eager {self.name} drafter ({graphs.disabled})"
+
+    def use_graphs(self, graphs: CompiledBlock | None) -> None:
+        """Run one request's drafting pass through these graphs from the next call on."""
+        self._compiled = graphs
 
     def prepare(self, max_requests: int, max_len: int) -> None:
         c = self.cache

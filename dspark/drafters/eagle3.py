@@ -106,7 +106,10 @@ class Eagle3Drafter(DSparkDrafter):
         pass   # one causal layer run by ``_run``; the parallel backbone's fused layout is not used
 
     def compile(self) -> str:
-        return f"eager {self.name} drafter (its draft chain is not compiled)"
+        return self.build_graphs()[1]
+
+    def build_graphs(self) -> tuple[None, str]:
+        return None, f"eager {self.name} drafter (its draft chain is not compiled)"
 
     def _ingest_and_first(self, contexts: list[DraftContext]) -> torch.Tensor:
         m = self.model

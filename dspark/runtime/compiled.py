@@ -16,8 +16,9 @@ CPU without AMX the measurement is among oneDNN's kernels alone (``gemm_backends
 Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
 and a block (a verification; the row count stays symbolic, as do the context length and the cache's
 length). Building both, with the kernels' measurements, takes about two minutes on two cores, in
-every process (frozen graphs are not reused from inductor's on-disk cache), so ``Decoder.compile``
-builds them at once, before serving.
+every process (frozen graphs are not reused from inductor's on-disk cache): ``Decoder.compile``
+builds them at once; a server builds them in a thread while it serves eagerly
+(``Decoder.build_graphs``, then ``use_graphs``; dspark/compiling.py).
 
 What a compiled forward computes is the eager forward's arithmetic, but inductor keeps a layer's
 pointwise chain in fp32 registers where eager rounds each step to bf16, and attention runs as
@@ -214,7 +215,7 @@ class CompiledForward(Graphs):
         return out
 
 
-def warm_up(decoder: Decoder) -> float:
+def warm_up(decoder: Decoder, graphs: CompiledForward) -> float:
     """Build the two graphs (a decoding row, a verification block) on a scratch cache; the seconds
     it took. The sizes differ from each other and from the model's (a graph built where two sizes
     are equal assumes they always are)."""
@@ -223,5 +224,5 @@ def warm_up(decoder: Decoder) -> float:
     ids = torch.zeros(CONTEXT, dtype=torch.long)
     decoder.forward(ids, [(0, CONTEXT)], cache, logits_rows=None)     # a prefill: eager
     for n in (1, 13):
-        decoder.forward(ids[:n], [(0, n)], cache, logits_rows=None)
+        decoder.forward(ids[:n], [(0, n)], cache, logits_rows=None, graphs=graphs)
     return time.perf_counter() - t

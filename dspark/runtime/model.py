@@ -166,14 +166,26 @@ class Decoder:
         (runtime/compiled.py), building them at once; what happened, in one line."""
         if self._compiled is not None and not self._compiled.disabled:
             return "compiled already"
-        self._compiled = CompiledForward(self)
-        if self._compiled.disabled:
-            return f"eager forward ({self._compiled.disabled})"
-        seconds = warm_up(self)
-        if self._compiled.disabled:
-            return f"eager forward ({self._compiled.disabled})"
-        self._compiled.warm = True
-        return f"compiled the one-request forward in {seconds:.0f} s"
+        graphs, what = self.build_graphs()
+        self.use_graphs(graphs)
+        return what
+
+    def build_graphs(self) -> tuple[CompiledForward, str]:
+        """The compiled graphs built (on a scratch cache), not yet used, and what happened in one
+        line: a server builds them in a thread while its forwards run eagerly (``use_graphs``
+        then)."""
+        graphs = CompiledForward(self)
+        if graphs.disabled:
+            return graphs, f"eager forward ({graphs.disabled})"
+        seconds = warm_up(self, graphs)
+        if graphs.disabled:
+            return graphs, f"eager forward ({graphs.disabled})"
+        graphs.warm = True
+        return graphs, f"compiled the one-request forward in {seconds:.0f} s"
+
+    def use_graphs(self, graphs: CompiledForward) -> None:
+        """Run one request's short segments through these graphs from the next forward on."""
+        self._compiled = graphs
 
     @property
     def compiled(self) -> bool:
@@ -205,11 +217,12 @@ class Decoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, segments: list[tuple[int, int]], cache: KVCache, *,
                 feature_layers: tuple[int, ...] = (), logits_rows: str | torch.Tensor | None = "all",
-                ) -> ForwardOutput:
+                graphs: CompiledForward | None = None) -> ForwardOutput:
         """Run the new tokens of ``segments`` (``[(slot, n), ...]``, rows in that order).
 
         ``logits_rows``: "all", "last" (the last row of each segment), a tensor of row indices,
-        or None (no logits, e.g. to fill a cache).
+        or None (no logits, e.g. to fill a cache). ``graphs``: compiled graphs to run instead of
+        the decoder's own (``build_graphs`` builds them through this).
         """
         cfg = self.config
         input_ids = input_ids.to(self.device)
@@ -223,11 +236,12 @@ class Decoder:
         positions = pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)
         max_pos = max(s + n for s, (_, n) in zip(starts, segments))
         rope_tables = {name: r.tables(positions, max_pos) for name, r in self.ropes.items()}
-        if self._compiled is not None and self._compiled.takes(segments, starts) and not self.batch_invariant:
+        compiled = graphs if graphs is not None else self._compiled
+        if compiled is not None and compiled.takes(segments, starts) and not self.batch_invariant:
             (cos, sin), = rope_tables.values()
             (slot, n), = segments
             mask = self._masks(segments, starts)[0](None)   # the block's causal triangle, None for one row
-            outs = self._compiled(input_ids, cos, sin, cache, positions, slot, max_pos, mask)
+            outs = compiled(input_ids, cos, sin, cache, positions, slot, max_pos, mask)
             if outs is not None:
                 cache.lengths[slot] = max_pos
                 logits = outs[0]        # every row's; the rows asked for:
