@@ -47,7 +47,8 @@ def server_command(system: str, port: int, threads: int, compare_dir: Path, bin_
             cmd += ["-md", str(compare_dir / "dspark-deepspec-bf16.gguf"), *SPEC_FLAGS]
         return cmd
     dspark = str(Path(sys.executable).parent / "dspark")
-    cmd = [dspark, "serve", "--threads", str(threads), "--host", "127.0.0.1", "--port", str(port)]
+    # compiled graphs built before it answers: the table times the server as it runs, not its start-up
+    cmd = [dspark, "serve", "--threads", str(threads), "--host", "127.0.0.1", "--port", str(port), "--wait-for-graphs"]
     if system == "dspark-plain":
         cmd += ["--drafter", "plain"]
     return cmd
