@@ -461,6 +461,9 @@ def main(argv=None) -> int:
             return cmd_serve(args)
         if args.command == "simulate":
             _setup_torch(args)
+            if args.validate:
+                from .simulation.validate import run_validation
+                return run_validation(args)
             from .simulation.run import run_simulate
             return run_simulate(args)
         from .cli_training import COMMANDS

@@ -20,9 +20,9 @@ from dspark.drafters.base import DraftContext
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.errors import UsageError
-from dspark.interop import layouts as L
+from dspark.drafters import layouts as L
 from dspark.interop.export import export_model
-from dspark.interop.foreign import load_foreign
+from dspark.drafters.foreign import load_foreign
 from dspark.runtime.model import Decoder
 from dspark.sampling import SamplingParams
 from dspark.scheduling.policies import FixedPolicy

@@ -1,5 +1,5 @@
 """Drafters by name or path: plain, ngram, cut[:N] (the target's first N layers), a draft LM, a
-trained drafter's folder (ours, or a checkpoint in an engine's layout: interop/foreign.py),
+trained drafter's folder (ours, or a checkpoint in an engine's layout: drafters/foreign.py),
 ngram+NAME (n-gram lookup where the text repeats, drafter NAME elsewhere), and auto (ngram+dspark
 where a trained DSpark drafter exists for the target, else ngram)."""
 
@@ -44,7 +44,7 @@ def _load_trained(folder: Path, target, *, block_size: int | None = None, name: 
     from .config import DrafterConfig
     from .dspark import DSparkDrafter, DSparkModel
     if _is_foreign(Path(folder)):     # a checkpoint in an engine's layout (DeepSpec, DFlash, speculators)
-        from ..interop.foreign import load_foreign
+        from .foreign import load_foreign
         m = target.model
         model = load_foreign(Path(folder), m.config, m.embed, m.lm_head)
         imported = DSparkDrafter(model, m, name=name, block_size=block_size)
@@ -79,7 +79,7 @@ def _config_of(path: Path) -> dict | None:
 
 
 def _is_foreign(path: Path) -> bool:
-    from ..interop.foreign import is_foreign
+    from .foreign import is_foreign
     data = _config_of(path)
     return data is not None and is_foreign(data)
 

@@ -20,18 +20,16 @@ are offered, never what is emitted.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..runtime.compiled import Graphs, plain_weights
 from ..runtime.kv_cache import KVCache
-from ..runtime.layer import LayerShape, decoder_layer, rms_norm
-from ..runtime.linear import PackedWeight, dense, linear
-
-if TYPE_CHECKING:
-    from .dspark import DSparkDrafter
+from ..runtime.layer import LayerShape, LayerWeights, decoder_layer, rms_norm
+from ..runtime.linear import PackedWeight, Weight, dense, linear
+from ..runtime.model import RopeTable
 
 # new context rows this many or fewer (and at least one) run compiled; a prompt's first round
 # hands over the whole prompt and runs eagerly
@@ -40,11 +38,32 @@ MAX_ROWS = 32
 CONTEXT = 2 * MAX_ROWS + 1
 
 
-def eligible(drafter: DSparkDrafter) -> str | None:
+@dataclass(frozen=True)
+class BlockParts:
+    """What a drafter's compiled pass is built from (``DSparkDrafter.block_parts``): its serving
+    weights and settings, so that compiling reads nothing of the drafter itself."""
+
+    layers: list[LayerWeights]
+    fc: Weight                   # the fusion of the target's features
+    fc_norm: torch.Tensor
+    norm: torch.Tensor
+    shape: LayerShape
+    rope: RopeTable
+    feature_width: int           # len(target layers) x the target's hidden size
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device: torch.device
+
+
+def eligible(parts: BlockParts) -> str | None:
     """Why this drafter's pass cannot run compiled, or None when it can."""
-    if drafter.device.type != "cpu" or drafter._dtype != torch.bfloat16:
+    if parts.device.type != "cpu" or parts.dtype != torch.bfloat16:
         return "only bf16 on a CPU compiles"
-    weights = [drafter._fc, *(w for lw in drafter._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))]
+    weights = [parts.fc, *(w for lw in parts.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))]
     if not all(isinstance(w, PackedWeight) for w in weights):
         return "this CPU does not pack bf16 weights (runtime/linear.py)"
     return None
@@ -58,16 +77,13 @@ class BlockStack(torch.nn.Module):
     fc_norm: torch.Tensor
     norm: torch.Tensor
 
-    def __init__(self, drafter: DSparkDrafter):
+    def __init__(self, parts: BlockParts):
         super().__init__()
-        c = drafter.config
-        self.layers = plain_weights(self, drafter._layers)
-        self.register_buffer("fc", dense(drafter._fc), persistent=False)
-        bb = drafter.model.backbone
-        self.register_buffer("fc_norm", bb.fc_norm.weight.detach(), persistent=False)
-        self.register_buffer("norm", bb.norm.weight.detach(), persistent=False)
-        self.shape = LayerShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
-                                c.head_dim ** -0.5)
+        self.layers = plain_weights(self, parts.layers)
+        self.register_buffer("fc", dense(parts.fc), persistent=False)
+        self.register_buffer("fc_norm", parts.fc_norm, persistent=False)
+        self.register_buffer("norm", parts.norm, persistent=False)
+        self.shape = parts.shape
 
     def forward(self, feats: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k: list[torch.Tensor], v: list[torch.Tensor], positions: torch.Tensor, end: int) -> torch.Tensor:
@@ -96,9 +112,9 @@ class BlockStack(torch.nn.Module):
 class CompiledBlock(Graphs):
     """A drafter's compiled ``BlockStack``, or the reason it runs eagerly."""
 
-    def __init__(self, drafter: DSparkDrafter):
-        why = eligible(drafter)
-        super().__init__(None if why else BlockStack(drafter), why, "drafter pass")
+    def __init__(self, parts: BlockParts):
+        why = eligible(parts)
+        super().__init__(None if why else BlockStack(parts), why, "drafter pass")
 
     def takes(self, new_rows: int, block: int, start: int) -> bool:
         """One request's round: ``new_rows`` context rows from ``start`` on, then a block."""
@@ -117,23 +133,20 @@ class CompiledBlock(Graphs):
         return out
 
 
-def warm_up(drafter: DSparkDrafter, graphs: CompiledBlock) -> float:
+def warm_up(parts: BlockParts, graphs: CompiledBlock) -> float:
     """Build both graphs (one new context row; several) on a scratch cache; the seconds it took.
     The sizes differ from each other and from the model's (a graph built where two sizes are equal
     assumes they always are)."""
     t = time.perf_counter()
-    c = drafter.config
-    width = len(c.target_layer_ids) * c.target_hidden_size
     # made outside inference mode, as the drafter's own cache is (a graph is guarded on that)
-    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, num_slots=1, max_len=4 * CONTEXT,
-                    dtype=drafter.kv_dtype, device=drafter.device)
+    cache = KVCache(parts.num_layers, parts.num_kv_heads, parts.head_dim, num_slots=1, max_len=4 * CONTEXT,
+                    dtype=parts.kv_dtype, device=parts.device)
     with torch.inference_mode():    # the inputs made as propose makes them
         for rows, block in ((1, 6), (5, 11)):
             positions = torch.arange(CONTEXT, CONTEXT + rows + block)
-            cos, sin = drafter._rope.tables(positions, int(positions.max()))
-            feats = torch.zeros(rows, width, dtype=drafter._dtype)
-            x = torch.zeros(block, c.hidden_size, dtype=drafter._dtype)
+            cos, sin = parts.rope.tables(positions, int(positions.max()))
+            feats = torch.zeros(rows, parts.feature_width, dtype=parts.dtype)
+            x = torch.zeros(block, parts.hidden_size, dtype=parts.dtype)
             if graphs(feats, x, cos, sin, cache, positions, 0, CONTEXT + rows + block) is None:
                 break
     return time.perf_counter() - t
-

@@ -36,7 +36,7 @@ from ..runtime.model import RopeTable
 from ..sampling import argmax, probs_from_logits, race_sample, sample_rows, uniforms
 from .backbone import Backbone, DrafterLayer
 from .base import DraftContext, Drafter, Proposal
-from .compiled import CompiledBlock, warm_up
+from .compiled import BlockParts, CompiledBlock, warm_up
 from .config import DrafterConfig
 from .heads import ConfidenceHead, MarkovRows, SequentialHead
 
@@ -217,13 +217,24 @@ class DSparkDrafter(Drafter):
     def build_graphs(self) -> tuple[CompiledBlock | None, str]:
         """The compiled graphs built (on a scratch cache), not yet used, and what happened in one
         line (``use_graphs`` then; see Decoder.build_graphs)."""
-        graphs = CompiledBlock(self)
+        parts = self.block_parts()
+        graphs = CompiledBlock(parts)
         if not graphs.disabled:
-            seconds = warm_up(self, graphs)
+            seconds = warm_up(parts, graphs)
             if not graphs.disabled:
                 graphs.warm = True
                 return graphs, f"compiled the {self.name} drafter's one-request pass in {seconds:.0f} s"
         return graphs, f"eager {self.name} drafter ({graphs.disabled})"
+
+    def block_parts(self) -> BlockParts:
+        """What the compiled pass is built from (drafters/compiled.py)."""
+        c, bb = self.config, self.model.backbone
+        return BlockParts(self._layers, self._fc, bb.fc_norm.weight.detach(), bb.norm.weight.detach(),
+                          LayerShape(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                                     c.head_dim ** -0.5),
+                          self._rope, len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size,
+                          c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self._dtype, self.kv_dtype,
+                          self.device)
 
     def use_graphs(self, graphs: CompiledBlock | None) -> None:
         """Run one request's drafting pass through these graphs from the next call on."""

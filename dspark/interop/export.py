@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from ..drafters.config import DrafterConfig
 from ..drafters.dspark import DSparkModel
 from ..errors import UsageError
-from . import layouts as L
+from ..drafters import layouts as L
 
 
 @dataclass

@@ -31,27 +31,23 @@ and multi-RoPE models (Gemma 3) stay eager too.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import replace
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
-from .layer import LayerWeights, decoder_layer, rms_norm
+from .kv_cache import KVCache
+from .layer import LayerShape, LayerWeights, decoder_layer, rms_norm
 from .linear import PackedWeight, dense
-
-if TYPE_CHECKING:
-    from .kv_cache import KVCache
-    from .model import Decoder
 
 log = logging.getLogger(__name__)
 
 # a one-request segment this long or shorter runs compiled (decoding rows, verification blocks);
 # prefill chunks run eagerly, where the products dominate anyway
 MAX_ROWS = 16
-# the context the graphs are built after (warm_up): longer than any compiled segment
+# the context the graphs are built after (Decoder.build_graphs): longer than any compiled segment
 CONTEXT = MAX_ROWS + 1
 
 
@@ -71,15 +67,34 @@ CONFIG = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
           "max_autotune_gemm_backends": gemm_backends(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())}
 
 
-def eligible(decoder: Decoder) -> str | None:
+@dataclass(frozen=True)
+class StackParts:
+    """What one request's compiled forward is built from (``Decoder.stack_parts``): the decoder's
+    tensors and settings, so that compiling reads nothing of the decoder itself."""
+
+    layers: list[LayerWeights]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    embed_scale: torch.Tensor | None
+    lm_head: torch.Tensor
+    softcap: float | None
+    shape: LayerShape
+    kv_dtype: torch.dtype
+    device: torch.device
+    dtype: torch.dtype
+    batch_invariant: bool
+    windowed: bool          # sliding-window attention or several RoPEs (Gemma 3)
+
+
+def eligible(parts: StackParts) -> str | None:
     """Why this decoder cannot take the compiled path, or None when it can."""
-    if decoder.device.type != "cpu" or decoder.dtype != torch.bfloat16:
+    if parts.device.type != "cpu" or parts.dtype != torch.bfloat16:
         return "only bf16 on a CPU compiles (fp32 is the exact dtype)"
-    if decoder.batch_invariant:
+    if parts.batch_invariant:
         return "the batch-invariant mode keeps its own eager path"
-    if any(w is not None for w in decoder.config.sliding_windows) or len(decoder.ropes) != 1:
+    if parts.windowed:
         return "sliding-window attention stays eager"
-    if not all(isinstance(lw.qkv, PackedWeight) for lw in decoder.layers):
+    if not all(isinstance(lw.qkv, PackedWeight) for lw in parts.layers):
         return "this CPU does not pack bf16 weights (runtime/linear.py)"
     return None
 
@@ -106,17 +121,17 @@ class LayerStack(torch.nn.Module):
     embed_scale: torch.Tensor | None
     lm_head: torch.Tensor
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, parts: StackParts):
         super().__init__()
         # the decoder's tensors held here, not reached through it: a graph is guarded on the
         # objects it reads, and the decoder's attributes change (its compiled path, its mode)
-        self.layers = plain_weights(self, decoder.layers)
-        self.register_buffer("embed", decoder.embed, persistent=False)
-        self.register_buffer("final_norm", decoder.final_norm, persistent=False)
-        self.register_buffer("embed_scale", decoder._embed_scale, persistent=False)
-        self.register_buffer("lm_head", decoder.lm_head, persistent=False)
-        self.softcap = decoder.config.final_logit_softcap
-        self.shape = decoder.layer_shape
+        self.layers = plain_weights(self, parts.layers)
+        self.register_buffer("embed", parts.embed, persistent=False)
+        self.register_buffer("final_norm", parts.final_norm, persistent=False)
+        self.register_buffer("embed_scale", parts.embed_scale, persistent=False)
+        self.register_buffer("lm_head", parts.lm_head, persistent=False)
+        self.softcap = parts.softcap
+        self.shape = parts.shape
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: list[torch.Tensor],
                 v: list[torch.Tensor], positions: torch.Tensor, end: int,
@@ -186,11 +201,11 @@ class Graphs:
 class CompiledForward(Graphs):
     """The compiled ``LayerStack`` of a decoder, or the reason it runs eagerly."""
 
-    def __init__(self, decoder: Decoder):
-        why = eligible(decoder)
-        super().__init__(None if why else LayerStack(decoder), why, "one-request forward")
+    def __init__(self, parts: StackParts):
+        why = eligible(parts)
+        super().__init__(None if why else LayerStack(parts), why, "one-request forward")
         # what a one-row call passes as its mask (the graph reads none): one tensor, not one a step
-        self._no_mask = torch.zeros((1, 1), dtype=decoder.kv_dtype)
+        self._no_mask = torch.zeros((1, 1), dtype=parts.kv_dtype)
 
     def takes(self, segments: list[tuple[int, int]], starts: list[int]) -> bool:
         """A segment of one request after a context at least as long as the one the graphs were
@@ -213,16 +228,3 @@ class CompiledForward(Graphs):
         out = self.run(input_ids, cos, sin, k, v, positions, end, self._no_mask if mask is None else mask)
         assert out is None or isinstance(out, tuple)
         return out
-
-
-def warm_up(decoder: Decoder, graphs: CompiledForward) -> float:
-    """Build the two graphs (a decoding row, a verification block) on a scratch cache; the seconds
-    it took. The sizes differ from each other and from the model's (a graph built where two sizes
-    are equal assumes they always are)."""
-    t = time.perf_counter()
-    cache = decoder.new_cache(1, 100)
-    ids = torch.zeros(CONTEXT, dtype=torch.long)
-    decoder.forward(ids, [(0, CONTEXT)], cache, logits_rows=None)     # a prefill: eager
-    for n in (1, 13):
-        decoder.forward(ids[:n], [(0, n)], cache, logits_rows=None, graphs=graphs)
-    return time.perf_counter() - t

@@ -8,8 +8,8 @@ Python ints: rolling back rejected draft tokens is one assignment, nothing is er
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from ..errors import DsparkError
@@ -24,21 +24,19 @@ class CacheFullError(DsparkError):
 KEY_BUCKET = 16
 
 
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
-
-
 def zeros(shape: tuple[int, ...], count: int, dtype: torch.dtype, device: str | torch.device) -> list[torch.Tensor]:
-    """``count`` zero tensors of ``shape``. On a CPU they are views of one block taken from pages
-    the system hands out zeroed (numpy's ``calloc``, mmap'd past glibc's threshold), which become
-    resident only where entries are written: a server's cache for 16 requests of 2,048 tokens of
-    the bundled target is 1.5 GB, of which a short request touches a few MB, where ``torch.zeros``
-    writes, and so commits, all of it at start. The block starts on a 64-byte boundary."""
-    if torch.device(device).type != "cpu" or dtype not in _NUMPY:
+    """``count`` zero tensors of ``shape``. On a CPU each is an anonymous memory map, whose pages
+    the system hands out zeroed when first written: a server's cache for 16 requests of 2,048
+    tokens of the bundled target is 1.5 GB, of which a short request touches a few MB, where
+    ``torch.zeros`` writes, and so commits, all of it at start. Each its own mapping, not views of
+    one block: a compiled graph's inputs that share storage are guarded on how they alias."""
+    if torch.device(device).type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     n = math.prod(shape)
-    flat = torch.from_numpy(np.zeros(count * n + 64, dtype=_NUMPY[dtype]))
-    skip = (-flat.data_ptr() % 64) // flat.element_size()
-    return list(flat[skip:skip + count * n].view(count, *shape).unbind(0))
+    size = n * torch.empty((), dtype=dtype).element_size()
+    if not size:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+    return [torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=n).view(shape) for _ in range(count)]
 
 
 class KVCache:

@@ -15,6 +15,7 @@ loader and the reference our logits are tested against; this module is the fast 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from .config import DecoderConfig
 from .attention import SlotBatch, attend
-from .compiled import CompiledForward, warm_up
+from .compiled import CONTEXT, CompiledForward, StackParts
 from .invariant import DecodeRows, attend_all
 from .kv_cache import KVCache
 from .layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
@@ -174,14 +175,29 @@ class Decoder:
         """The compiled graphs built (on a scratch cache), not yet used, and what happened in one
         line: a server builds them in a thread while its forwards run eagerly (``use_graphs``
         then)."""
-        graphs = CompiledForward(self)
+        graphs = CompiledForward(self.stack_parts())
         if graphs.disabled:
             return graphs, f"eager forward ({graphs.disabled})"
-        seconds = warm_up(self, graphs)
+        t = time.perf_counter()
+        # the two graphs (a decoding row, a verification block) built on a scratch cache; their
+        # sizes differ from each other and from the model's (a graph built where two sizes are
+        # equal assumes they always are)
+        cache = self.new_cache(1, 100)
+        ids = torch.zeros(CONTEXT, dtype=torch.long)
+        self.forward(ids, [(0, CONTEXT)], cache, logits_rows=None)     # a prefill: eager
+        for n in (1, 13):
+            self.forward(ids[:n], [(0, n)], cache, logits_rows=None, graphs=graphs)
         if graphs.disabled:
             return graphs, f"eager forward ({graphs.disabled})"
         graphs.warm = True
-        return graphs, f"compiled the one-request forward in {seconds:.0f} s"
+        return graphs, f"compiled the one-request forward in {time.perf_counter() - t:.0f} s"
+
+    def stack_parts(self) -> StackParts:
+        """What the compiled forward is built from (runtime/compiled.py)."""
+        c = self.config
+        return StackParts(self.layers, self.embed, self.final_norm, self._embed_scale, self.lm_head,
+                          c.final_logit_softcap, self.layer_shape, self.kv_dtype, self.device, self.dtype,
+                          self.batch_invariant, any(w is not None for w in c.sliding_windows) or len(self.ropes) != 1)
 
     def use_graphs(self, graphs: CompiledForward) -> None:
         """Run one request's short segments through these graphs from the next forward on."""

@@ -201,9 +201,6 @@ def _jobs(args, acceptance: AcceptanceModel, target) -> list[Job]:
 
 
 def run_simulate(args) -> int:
-    if args.validate:
-        from .validate import run_validation
-        return run_validation(args)
     args.policies = args.policies or "plain,mtp1,fixed,auto"
     args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64, 128]
     args.output_tokens = args.output_tokens or 256

@@ -4,7 +4,7 @@
 which is not needed here) loaded into
 our drafter class, so the engine serves it like one of ours (drafting, verification, scheduling).
 
-The inverse of export.py, for any writer: the Markov table ``[vocab, rank]`` is kept whole unless
+The inverse of interop/export.py, for any writer: the Markov table ``[vocab, rank]`` is kept whole unless
 the rows outside the draft vocabulary are all one row (then it is our compact table, as our exports
 are); ``d2t`` offsets give the draft vocabulary; row ``mask_token_id`` of the shipped
 ``embed_tokens`` (or of the target's when none is shipped) is the mask vector; ``fc`` is taken as
@@ -23,10 +23,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..drafters.config import DrafterConfig
-from ..drafters.dspark import DSparkModel
 from ..errors import UsageError
 from . import layouts as L
+from .config import DrafterConfig
+from .dspark import DSparkModel
 
 
 def is_foreign(data: dict[str, Any]) -> bool:
