@@ -19,7 +19,7 @@ import torch
 from dspark.api import encode_prompt
 from dspark.data import load_prompts
 from dspark.drafters import load_drafter
-from dspark.evaluation.concurrency import _policy, closed_loop, interleave
+from dspark.evaluation.concurrency import bench_policy, closed_loop, interleave
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.scheduling.learned import LearnedCosts
@@ -60,7 +60,7 @@ def main() -> int:
         return policy
 
     for c in levels:
-        auto, _ = _policy("auto", 7, None, learned, c)
+        auto, _ = bench_policy("auto", 7, None, learned, c)
 
         def priced(o, auto=auto):
             # read before the policy observes the step (its prices then change)
@@ -69,7 +69,7 @@ def main() -> int:
                                             sum(calls) / max(1, len(calls)))
                     if auto.inner.cost.table is not None and o.requests else None)
             return {"predicted": pred, "measuring": auto.measuring is not None, "drafter_calls": len(calls)}
-        loops = [closed_loop(target, load_drafter(a.drafter, target), recorded(_policy(name, 7)[0], name, c), prompts,
+        loops = [closed_loop(target, load_drafter(a.drafter, target), recorded(bench_policy(name, 7)[0], name, c), prompts,
                              c, a.max_new_tokens, SamplingParams(temperature=0), 7, label=name) for name in others]
         loops.append(closed_loop(target, load_drafter(a.drafter, target), recorded(auto, "auto", c, priced), prompts,
                                  c, a.max_new_tokens, SamplingParams(temperature=0), 7, label="auto"))

@@ -45,7 +45,7 @@ def main():
     table = CostTable.find(table_key_for(target, drafter))
     texts = [t for d in ("humaneval", "gsm8k", "mt-bench") for t in load_prompts(d)][:args.num_prompts]
     prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
-    policy, _ = conc._policy(args.policy, drafter.block_size, table)
+    policy, _ = conc.bench_policy(args.policy, drafter.block_size, table)
     seconds, calls = collections.Counter(), collections.Counter()
 
     def wrap(owner, name):

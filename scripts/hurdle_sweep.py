@@ -18,7 +18,7 @@ import torch
 from dspark.api import encode_prompt
 from dspark.data import load_prompts
 from dspark.drafters import load_drafter
-from dspark.evaluation.concurrency import _policy, closed_loop, interleave
+from dspark.evaluation.concurrency import bench_policy, closed_loop, interleave
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.scheduling.learned import LearnedCosts
@@ -45,10 +45,10 @@ def main() -> int:
     for run in range(a.runs):
         stores = {h: LearnedCosts(f"hurdle {h}", 7) for h in hurdles}
         for c in levels:
-            loops = [closed_loop(target, load_drafter(a.drafter, target), _policy(name, 7)[0], prompts, c,
+            loops = [closed_loop(target, load_drafter(a.drafter, target), bench_policy(name, 7)[0], prompts, c,
                                  a.max_new_tokens, params, 7, label=name) for name in ("plain", "fixed")]
             for h in hurdles:
-                auto = _policy("auto", 7, None, stores[h], c)[0]
+                auto = bench_policy("auto", 7, None, stores[h], c)[0]
                 auto.inner.cost.hurdle = h
                 loops.append(closed_loop(target, load_drafter(a.drafter, target), auto, prompts, c,
                                          a.max_new_tokens, params, 7, label=f"hurdle {h}"))

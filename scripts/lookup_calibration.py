@@ -18,7 +18,7 @@ import torch
 from dspark.api import encode_prompt
 from dspark.data import load_prompts
 from dspark.drafters import load_drafter
-from dspark.evaluation.concurrency import _policy, closed_loop, interleave
+from dspark.evaluation.concurrency import bench_policy, closed_loop, interleave
 from dspark.runtime.loading import load_target
 from dspark.sampling import SamplingParams
 from dspark.scheduling.algorithm1 import survivals
@@ -41,8 +41,8 @@ def main() -> int:
     # kind -> per position [verified, accepted, survival priced]
     stats: dict = collections.defaultdict(lambda: np.zeros((8, 3)))
     for c in [int(x) for x in a.concurrency.split(",")]:
-        fixed, _ = _policy("fixed", 7)
-        auto, _ = _policy("auto", 7, None, learned, c)
+        fixed, _ = bench_policy("fixed", 7)
+        auto, _ = bench_policy("auto", 7, None, learned, c)
         inner, pending = auto.inner, {}
         verify_lengths, observe = auto.verify_lengths, auto.observe
 

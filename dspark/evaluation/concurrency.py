@@ -34,7 +34,7 @@ from ..scheduling.load_aware import LoadAwarePolicy
 from ..scheduling.policies import make_policy
 
 
-def _policy(name: str, block: int, cost_table=None, learned: LearnedCosts | None = None, concurrency: int = 1):
+def bench_policy(name: str, block: int, cost_table=None, learned: LearnedCosts | None = None, concurrency: int = 1):
     """A policy name, optionally with "-padded": the same policy on a padded (dense) layout. "auto"
     is what `dspark serve` runs: prefix on the profile's cost table where there is one, else on the
     step costs ``learned`` (shared by every concurrency of a bench, as by one server's lifetime);
@@ -150,7 +150,7 @@ def run_concurrency_bench(args) -> int:
     levels = args.concurrency
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        _policy(p, args.block)  # validate names before loading anything
+        bench_policy(p, args.block)  # validate names before loading anything
     target = target_from_args(args)
     # one drafter per policy: the policies' loops run in turn, and a drafter holds its requests' state
     drafters = {name: load_drafter(args.drafter, target, block_size=args.block) for name in policies}
@@ -184,7 +184,7 @@ def run_concurrency_bench(args) -> int:
             for name in policies:
                 base = bases[name]
                 table = None if base == "auto-fresh" or (base == "auto" and args.fresh_costs) else cost_table
-                policy, padded = _policy(name, block, table, costs.get(base), c)
+                policy, padded = bench_policy(name, block, table, costs.get(base), c)
                 loops.append(closed_loop(target, drafters[name], policy, prompts, c, args.max_new_tokens,
                                          params, block, padded=padded, label=name, cost_table=table))
             for name, res in zip(policies, interleave(loops)):

@@ -137,6 +137,7 @@ class Simulator:
         self._next_id = 0
         self.steps = 0
         self.decision_seconds = 0.0
+        self._policy_time = 0.0     # the policy's decision time in the step running
         self.records: list[StepRecord] | None = [] if record else None
 
     # ------------------------------------------------------------------ requests

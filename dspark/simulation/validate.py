@@ -29,7 +29,7 @@ from ..drafters import load_drafter
 from ..errors import UsageError
 from ..evaluation import profile as prof
 from ..evaluation.acceptance import ConfidenceBins, run_drafter, summarize
-from ..evaluation.concurrency import _policy, closed_loop, interleave
+from ..evaluation.concurrency import bench_policy, closed_loop, interleave
 from ..runtime.loading import target_from_args
 from ..sampling import SamplingParams
 from .acceptance import AcceptanceModel
@@ -115,7 +115,7 @@ def run_validation(args) -> int:
         say(f"2/3 concurrency {c}: measuring {', '.join(policies)} interleaved, then simulating them")
         loops = []
         for name in policies:
-            policy, _ = _policy(name, block, table, None, c)
+            policy, _ = bench_policy(name, block, table, None, c)
             loops.append(closed_loop(target, drafters[name], policy, prompts, c, new_tokens, params, block,
                                      label=name, cost_table=table))
         measured = interleave(loops, seed=args.seed)
