@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "else none)")
     sv.add_argument("--metrics-open", action="store_true",
                     help="with --api-key: /metrics needs no key (a Prometheus scraper without it)")
-    # the defaults are server_door's DEFAULT_MAX_BODY_MB and DEFAULT_MAX_PROMPTS (not imported here:
+    # the defaults are server.door's DEFAULT_MAX_BODY_MB and DEFAULT_MAX_PROMPTS (not imported here:
     # it imports FastAPI, which every other command would then pay for)
     sv.add_argument("--max-body-mb", type=_positive_float, default=8.0,
                     help="largest request body in MiB; a larger one gets a 413 before it is parsed (default: 8)")
@@ -334,18 +334,7 @@ def cmd_generate(args) -> int:
                    stream=stream, structured=structured)
     out = res.to_dict()
     if args.compare:
-        base = generate(args.prompt, target=target, drafter="plain", sampling=params,
-                        max_new_tokens=args.max_new_tokens, chat=args.chat, structured=structured)
-        out["plain_tokens_per_second"] = base.tokens_per_second
-        out["speedup"] = res.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
-        out["identical_to_plain"] = base.token_ids == res.token_ids
-        if not out["identical_to_plain"]:
-            from .api import encode_prompt
-            from .evaluation.identity import first_divergence, top2_gap
-            i = first_divergence(res.token_ids, base.token_ids)
-            ids = encode_prompt(target.tokenizer, args.prompt, args.chat) + base.token_ids[:i]
-            out["first_divergence"] = i
-            out["top2_logit_gap_at_divergence"] = top2_gap(target.model, ids)
+        out.update(_against_plain(args, target, params, structured, res))
     if args.json:
         print(json.dumps(out))
     else:
@@ -365,6 +354,24 @@ def cmd_generate(args) -> int:
                          "forward can flip; --dtype fp32 is exact)")
         print(line, file=sys.stderr if not args.compare else sys.stdout)
     return 0
+
+
+def _against_plain(args, target, params, structured, res) -> dict:
+    """``generate --compare``: plain decoding of the same prompt, its speed, and whether the output
+    is the same (where not: the first token that differs and the target's top-2 logit gap there)."""
+    from .api import encode_prompt, generate
+    base = generate(args.prompt, target=target, drafter="plain", sampling=params,
+                    max_new_tokens=args.max_new_tokens, chat=args.chat, structured=structured)
+    out = {"plain_tokens_per_second": base.tokens_per_second,
+           "speedup": res.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None,
+           "identical_to_plain": base.token_ids == res.token_ids}
+    if not out["identical_to_plain"]:
+        from .evaluation.identity import first_divergence, top2_gap
+        i = first_divergence(res.token_ids, base.token_ids)
+        ids = encode_prompt(target.tokenizer, args.prompt, args.chat) + base.token_ids[:i]
+        out["first_divergence"] = i
+        out["top2_logit_gap_at_divergence"] = top2_gap(target.model, ids)
+    return out
 
 
 def cmd_serve(args) -> int:

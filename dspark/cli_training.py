@@ -407,20 +407,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_calibrate(args) -> int:
+def _calibration_rollouts(args, target, drafter, fit_rows, eval_rows, meta: dict) -> dict:
+    """The fit and eval splits' rollouts: read back from ``--rollouts`` where it holds this drafter's,
+    else recorded (and saved there)."""
     from tqdm import tqdm
-    from .drafters import load_drafter
-    from .runtime.loading import target_from_args
     from .training import calibrate as cal
-    from .training.prompts import read_prompts
-    rows = read_prompts(args.prompts or _work_dir(args) / "prompts" / "heldout.jsonl")
-    fit_rows, eval_rows = cal.split_rows(rows)
-    target = target_from_args(args)
-    drafter = load_drafter(args.drafter, target)
-    folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
     from .training.prompts import encode_row
-    meta = {"drafter": str(folder), "block_size": drafter.block_size, "blocks": args.blocks,
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "regime": args.regime}
     if args.rollouts and Path(args.rollouts).is_file():
         splits, saved = cal.load_rollouts(args.rollouts)
         if (saved.get("drafter") != meta["drafter"] or saved.get("block_size") != meta["block_size"]
@@ -439,6 +431,22 @@ def cmd_calibrate(args) -> int:
                                            temperature=0.0 if args.regime == "greedy" else 1.0)
         if args.rollouts:
             cal.save_rollouts(args.rollouts, splits, meta)
+    return splits
+
+
+def cmd_calibrate(args) -> int:
+    from .drafters import load_drafter
+    from .runtime.loading import target_from_args
+    from .training import calibrate as cal
+    from .training.prompts import read_prompts
+    rows = read_prompts(args.prompts or _work_dir(args) / "prompts" / "heldout.jsonl")
+    fit_rows, eval_rows = cal.split_rows(rows)
+    target = target_from_args(args)
+    drafter = load_drafter(args.drafter, target)
+    folder = getattr(drafter, "folder", None)      # collect() refuses drafters without a confidence head
+    meta = {"drafter": str(folder), "block_size": drafter.block_size, "blocks": args.blocks,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "regime": args.regime}
+    splits = _calibration_rollouts(args, target, drafter, fit_rows, eval_rows, meta)
     if args.shift:
         temps, shifts = cal.fit_sts_shift(splits["fit"], args.bins)
     else:

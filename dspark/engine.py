@@ -47,7 +47,7 @@ from .runtime.model import Decoder
 from .runtime.prefix_cache import PrefixCache
 from .sampling import (SamplingParams, penalised_logits, probs_from_logits, race_sample, sample_from_logits,
                        token_logprobs)
-from .scheduling.base import Policy, RequestOutcome, StepOutcome
+from .scheduling.base import Policy, RequestOutcome, RequestView, StepOutcome
 from .scheduling.policies import FixedPolicy
 from .verify import stack_requests, target_rows, verify, verify_batch
 
@@ -170,12 +170,25 @@ class _Batch:
     chunks: list[_Chunk] = field(default_factory=list)
 
 
+@dataclass
+class _StepLog:
+    """What a step records while it runs, passed through its parts and frozen into its StepOutcome."""
+
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    decode_only: bool = False
+    forward_rows: int = 0
+    forward_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    draft_rows: int = 0
+    prefill_tokens: int = 0
+    policy_seconds: float = 0.0
+
+
 class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
                  prefill_chunk: int = 2048, decoding_chunk: int = 512, score_chunk: int = 256, eos_ids=(),
-                 padded: bool = False,
-                 cost_table=None, prefix_caching: bool = False, prefix_min_match: int = 16,
+                 padded: bool = False, prefix_caching: bool = False, prefix_min_match: int = 16,
                  isolate_failures: bool = False):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
@@ -195,7 +208,6 @@ class Engine:
         # padded=True pads every request's block to the longest one in the step (the layout of a
         # dense [batch, block] verification), only to measure what the ragged layout saves
         self.padded = padded
-        self.cost_table = cost_table  # scheduling.costs.CostTable measured by `dspark profile`, or None
         self.cache = target.new_cache(max_requests, max_len)
         # prefix_min_match: the fewest prompt tokens a slot must already hold to be reused for them
         self.prefix = PrefixCache(max_requests, max_len, min_match=prefix_min_match) if prefix_caching else None
@@ -205,10 +217,8 @@ class Engine:
         self.num_steps = 0
         self.step_seconds = 0.0     # wall time inside step()
         self.policy_seconds = 0.0   # of which the policy's decisions (draft and verify lengths)
-        self._decode_only = False   # the step running decodes without prefilling (its time prices a decoding step)
-        self._outcomes: list[RequestOutcome] = []   # the step's verified blocks, for the policy
-        # the step's forward rows and seconds, the drafter's seconds and catch-up rows (StepOutcome)
-        self._timed: list = [0, 0.0, 0.0, 0]
+        self.last_step: StepOutcome | None = None   # the record of the last step run
+        self._listeners: list[Callable[[StepOutcome], None]] = []
         self._left: list[int] = []  # ids of requests released since the policy was last told
         self.isolate_failures = isolate_failures   # a failure serving one request ends it alone (see above)
 
@@ -333,31 +343,39 @@ class Engine:
             self._release(req, keep=False)
 
     # ------------------------------------------------------------------ one step
+    def add_step_listener(self, listener: Callable[[StepOutcome], None]) -> Callable[[], None]:
+        """Call ``listener`` with every step's record (StepOutcome), after the policy has observed
+        it; returns the function that removes it. Benchmarks and traces read the steps here."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
     def step(self) -> list[Request]:
         """Advance every running request by one target forward; returns requests that ended."""
         t0 = time.perf_counter()
-        self._decode_only = False
-        self._outcomes = []
-        self._timed = [0, 0.0, 0.0, 0]
+        log = _StepLog()
         try:
-            return self._step()
+            return self._step(log)
         finally:
             dt = time.perf_counter() - t0
             self.step_seconds += dt
-            self._observe(dt)
+            self.policy_seconds += log.policy_seconds
+            self._observe(log, dt)
 
-    def _observe(self, seconds: float) -> None:
-        """Hand the policy the step's outcome: per request its block as verified, the step's time,
-        and the requests released since the last step (ended, cancelled or failed)."""
-        rows, forward, draft, draft_rows = self._timed
-        outcome = StepOutcome(tuple(self._outcomes), seconds, self._decode_only, tuple(self._left),
-                              forward_rows=rows, forward_seconds=forward, draft_seconds=draft,
-                              draft_rows=draft_rows)
-        self._outcomes, self._left = [], []
+    def _observe(self, log: _StepLog, seconds: float) -> None:
+        """The step's record, frozen: to the policy (per request its block as verified, the step's
+        time, the requests released since the last step), then to the listeners."""
+        outcome = StepOutcome(tuple(log.outcomes), seconds, log.decode_only, tuple(self._left),
+                              forward_rows=log.forward_rows, forward_seconds=log.forward_seconds,
+                              draft_seconds=log.draft_seconds, draft_rows=log.draft_rows, index=self.num_steps,
+                              prefill_tokens=log.prefill_tokens, policy_seconds=log.policy_seconds)
+        self._left = []
+        self.last_step = outcome
         self.policy.observe(outcome)
+        for listener in list(self._listeners):
+            listener(outcome)
 
     @torch.inference_mode()
-    def _step(self) -> list[Request]:
+    def _step(self, log: _StepLog) -> list[Request]:
         """admit -> draft -> lay out the ragged batch -> one target forward -> verify every block ->
         accept and emit -> the prefilled prompts' first tokens; returns the requests that ended."""
         self._admit()
@@ -370,7 +388,7 @@ class Engine:
         # list at its end, so that arrival order would lose this once requests end apart
         decode = sorted((r for r in self.running if r.ctx is not None), key=lambda r: cast(int, r.slot))
         prefill = [r for r in self.running if r.ctx is None]
-        proposals, drafted = self._draft(decode)
+        proposals, drafted = self._draft(decode, log)
         ended = [r for r in decode if r.done]      # its drafting failed: it ended alone
         if ended:
             kept = [i for i, r in enumerate(decode) if not r.done]
@@ -379,16 +397,19 @@ class Engine:
         batch = self._layout(decode, proposals, prefill)
         if not batch.ids:
             return ended
-        self._decode_only = bool(decode) and not batch.chunks
+        log.decode_only = bool(decode) and not batch.chunks
+        log.prefill_tokens = sum(c.n for c in batch.chunks)
         t0 = time.perf_counter()
         logits, feats = self._forward(batch)
-        self._timed[:2] = [len(batch.ids), time.perf_counter() - t0]
+        log.forward_rows, log.forward_seconds = len(batch.ids), time.perf_counter() - t0
         blocks = self._blocks(logits, proposals)
-        verdicts = self._verify(decode, proposals, blocks)
+        head = None if logits is None else logits[:sum(len(p) + 1 for p in proposals)]   # the blocks' rows
+        verdicts = self._verify(decode, proposals, blocks, head)
         for i, (r, verdict) in enumerate(zip(decode, verdicts)):
             if verdict is None:     # it failed verification and ended alone
                 ended.append(r)
-            elif self._accept(r, proposals[i], verdict, drafted[i], batch.sent[i], batch.start[i], feats, blocks[i]):
+            elif self._accept(r, proposals[i], verdict, drafted[i], batch.sent[i], batch.start[i], feats, blocks[i],
+                              log):
                 ended.append(r)
         at = sum(len(p) + 1 for p in proposals)     # the chunks' logits rows follow the blocks'
         return ended + self._prefilled(batch.chunks, logits, at)
@@ -463,8 +484,8 @@ class Engine:
         sizes = [len(p) + 1 for p in proposals]
         return list(logits[:sum(sizes)].split(sizes))
 
-    def _verify(self, decode: list[Request], proposals: list[Proposal],
-                blocks: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+    def _verify(self, decode: list[Request], proposals: list[Proposal], blocks: list[torch.Tensor],
+                head: torch.Tensor | None) -> list[tuple[int, int] | None]:
         """Each decoding request's (accepted drafts n, the token emitted after them), or None where
         verifying it failed (its grammar, its sampling settings, a NaN in its law) and it ended
         alone (``_fail``). Every request's block goes through one ``verify_batch`` call (one host
@@ -472,20 +493,25 @@ class Engine:
         itself fails, so that one request's failure still ends that request alone."""
         verdicts: list[tuple[int, int] | None] = [None] * len(decode)
         rows, kept = [], []
+        raw = True          # every block verified on the target's logits as they are
         for i, (r, p, logits) in enumerate(zip(decode, proposals, blocks)):
             try:      # its law: its penalties, its grammar, its sampling settings
                 if r.exact:
                     verdicts[i] = self._verify_exact(r, p, logits)
+                    raw = False
                     continue
-                rows.append((p.tokens, p.probs, target_rows(self._law(r, logits, p.tokens), r.params),
-                             r.params.greedy, r.generator))
+                law = target_rows(self._law(r, logits, p.tokens), r.params)
+                raw = raw and law is logits
+                rows.append((p.tokens, p.probs, law, r.params.greedy, r.generator))
                 kept.append(i)
             except Exception as e:     # it alone ends
                 self._fail(r, e)
+                raw = False
         if not kept:
             return verdicts
         try:
-            got = verify_batch(*stack_requests(rows))
+            # every block as the forward gave it: its rows are verified in place, not copied
+            got = verify_batch(*stack_requests(rows, head if raw else None))
         except Exception:
             if not self.isolate_failures:
                 raise
@@ -504,7 +530,7 @@ class Engine:
         return verdicts
 
     def _accept(self, r: Request, p: Proposal, verdict: tuple[int, int], drafted: int, sent: int, start: int,
-                feats: torch.Tensor | None, logits: torch.Tensor) -> bool:
+                feats: torch.Tensor | None, logits: torch.Tensor, log: _StepLog) -> bool:
         """r's verified block: its cache rolls back over the rejected drafts (and ``sent`` - l - 1
         padding), the drafter gets the kept positions' features, its stats and the policy's outcome
         count it, and its accepted drafts and the next token are emitted; True if r ended."""
@@ -529,7 +555,7 @@ class Engine:
                 s.accepted_per_position.extend([0] * (l - len(s.accepted_per_position)))
             for i in range(n):
                 s.accepted_per_position[i] += 1
-        self._outcomes.append(RequestOutcome(r.id, drafted, l, n, p.free, p.forced))
+        log.outcomes.append(RequestOutcome(r.id, drafted, l, n, p.free, p.forced))
         return self._emit(r, p.tokens[:n].tolist() + [nxt], logits)
 
     def _prefilled(self, chunks: list[_Chunk], logits: torch.Tensor | None, at: int) -> list[Request]:
@@ -590,18 +616,20 @@ class Engine:
             logits[:early, list(r.stop_ids)] = float("-inf")
         return logits
 
-    def _draft(self, decode: list[Request]) -> tuple[list[Proposal], list[int]]:
+    def _draft(self, decode: list[Request], log: _StepLog) -> tuple[list[Proposal], list[int]]:
         """(the block each request verifies, how many tokens the drafter proposed it): the policy
         says how many to draft, the drafter proposes them, the policy says how many to verify."""
         proposals = [Proposal.empty() for _ in decode]
         if not decode:
             return proposals, []
         ctxs = cast(list[DraftContext], [r.ctx for r in decode])   # decoding requests all have a context
+        views = [RequestView(r.id, len(c.tokens), sum(f.shape[0] for f in c.features),
+                             r.max_new_tokens - len(r.output_ids)) for r, c in zip(decode, ctxs)]
         # what each request could draft at no cost, for the policies that weigh it
-        free = self.drafter.free_lengths(ctxs) if self.policy.wants_free(decode) else None
+        free = self.drafter.free_lengths(ctxs) if self.policy.wants_free(views) else None
         t0 = time.perf_counter()
-        want = self.policy.draft_lengths(decode, self.block_size, free)
-        self.policy_seconds += time.perf_counter() - t0
+        want = self.policy.draft_lengths(views, self.block_size, free)
+        log.policy_seconds += time.perf_counter() - t0
         active = []
         for i, (r, w) in enumerate(zip(decode, want)):
             ctxs[i].num_draft = max(0, min(w, r.max_new_tokens - len(r.output_ids) - 1))
@@ -610,16 +638,16 @@ class Engine:
         if active:
             # the context rows each drafting request hands the drafter beyond its last round's (it empties
             # them when it drafts): its prompt at its first call, else the rounds since it last drafted
-            rows = [max(0, sum(f.shape[0] for f in ctxs[i].features) - decode[i].round_rows) for i in active]
+            rows = [max(0, views[i].pending_rows - decode[i].round_rows) for i in active]
             t0 = time.perf_counter()
             got = self._propose([decode[i] for i in active])
-            self._timed[2] = time.perf_counter() - t0
-            self._timed[3] = sum(n for n, p in zip(rows, got) if not p.free)
+            log.draft_seconds = time.perf_counter() - t0
+            log.draft_rows = sum(n for n, p in zip(rows, got) if not p.free)
             for i, p in zip(active, got):
                 proposals[i] = p.truncate(ctxs[i].num_draft)
         t0 = time.perf_counter()
-        lengths = self.policy.verify_lengths(decode, proposals)
-        self.policy_seconds += time.perf_counter() - t0
+        lengths = self.policy.verify_lengths(views, proposals)
+        log.policy_seconds += time.perf_counter() - t0
         out = [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
         self._jump_forward(decode, out)
         return out, [len(p) for p in proposals]
@@ -731,10 +759,9 @@ def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int
                    prefix_caching: bool = True) -> Engine:
     """The engine `dspark serve`, `dspark bench serving` and `dspark.generate_batch` run for a loaded
     target and drafter (``policy`` as for serving_policy; prefix caching on, as in vLLM)."""
-    pol, table = serving_policy(target, drafter, policy, max_requests)
+    pol, _ = serving_policy(target, drafter, policy, max_requests)
     return Engine(target.model, drafter, pol, max_requests=max_requests, max_len=max_len,
-                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, cost_table=table,
-                  prefix_caching=prefix_caching)
+                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching)
 
 
 def check_policy_name(policy: str) -> None:

@@ -102,7 +102,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     reaches p (the first one always; among equal logits the lower token id counts as the more
     likely, so which tied tokens stay never depends on a sort's whims). With top-k, top-p and the
     softmax run on the 2k + 16 largest logits alone instead of a sort of the whole vocabulary
-    (1.7 ms a row for 49k tokens, more than the rest of a request's share of a decoding step)."""
+    (which costs more than the rest of a request's share of a decoding step)."""
     logits = logits.float()
     if params.greedy:
         out = torch.zeros_like(logits)

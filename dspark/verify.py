@@ -30,6 +30,7 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -103,17 +104,14 @@ class VerifyBatch:
     lengths: l_r, the request's drafted tokens (it has l_r + 1 target rows);
     greedy: temperature 0 (its target rows are scores: only their argmax counts);
     point_mass: drafts without probabilities (``verify``'s None: a lookup's, a grammar's forced
-        tokens); a sampled request that has them has its l_r rows in ``draft_probs``;
-    generators: each request's random stream (None: torch's default one, as for ``verify``);
-    q_rows: the row of ``draft_probs`` of each draft that has one (those requests' drafts in order);
-        None: their rows in order, one after the other.
+        tokens); a sampled request that has them passes its [l_r, V] rows in ``draft_probs``;
+    generators: each request's random stream (None: torch's default one, as for ``verify``).
     """
 
     lengths: list[int]
     greedy: list[bool]
     point_mass: list[bool]
     generators: list[torch.Generator | None]
-    q_rows: list[int] | None = None
 
     def __post_init__(self):
         if not len(self.lengths) == len(self.greedy) == len(self.point_mass) == len(self.generators):
@@ -127,44 +125,122 @@ def target_rows(target_logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 
 Block = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool, torch.Generator | None]
+Stacked = tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor, VerifyBatch]
 
 
-def stack_requests(blocks: Sequence[Block]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, VerifyBatch]:
+def stack_requests(blocks: Sequence[Block], target: torch.Tensor | None = None) -> Stacked:
     """``verify_batch``'s arguments from each request's (draft tokens [l], draft probabilities [l, V]
     or None, target rows [l + 1, V] from ``target_rows``, greedy, generator), on the target rows'
-    device (a greedy request's draft probabilities are never used: left out). Rows that are
-    consecutive in one tensor are taken as they lie, without a copy."""
+    device. ``target``: the blocks' target rows already in one tensor, in order (the engine's
+    forward logits, when no request's law changes them); else they are concatenated. A greedy
+    request's draft probabilities are never read: left out."""
     if not blocks:
-        return torch.empty(0, dtype=torch.long), None, torch.empty(0, 0), VerifyBatch([], [], [], [])
-    return _stack([bl[0] for bl in blocks], [bl[1] for bl in blocks], _concat([bl[2] for bl in blocks]),
-                  [bl[3] for bl in blocks], [bl[4] for bl in blocks])
-
-
-def _stack(drafts, probs, target, greedy, generators) -> tuple:
+        return torch.empty(0, dtype=torch.long), [], torch.empty(0, 0), VerifyBatch([], [], [], [])
+    drafts = [bl[0] for bl in blocks]
+    if target is None:
+        target = torch.cat([bl[2] for bl in blocks])
     dev = target.device
-    parts = [q for x, q, gr in zip(drafts, probs, greedy) if q is not None and not gr and x.shape[0]]
-    base, q_rows = _rows(parts) if parts else (None, None)
-    return (torch.cat([_to(x.reshape(-1).long(), dev) for x in drafts]), None if base is None else _to(base, dev),
-            target, VerifyBatch([x.shape[0] for x in drafts], list(greedy), [q is None for q in probs],
-                                list(generators), q_rows))
+    probs = [None if greedy or q is None else _to(q, dev) for _, q, _, greedy, _ in blocks]
+    batch = VerifyBatch([x.shape[0] for x in drafts], [bl[3] for bl in blocks], [bl[1] is None for bl in blocks],
+                        [bl[4] for bl in blocks])
+    return torch.cat([_to(x.reshape(-1).long(), dev) for x in drafts]), probs, target, batch
 
 
-def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target: torch.Tensor,
+@dataclass(frozen=True)
+class VerifyPlan:
+    """Where ``verify_batch`` finds each request's rows, and the uniforms each request's generator
+    gave, drawn by the very calls ``verify`` makes. B requests, D = sum l_r drafts, D + B target
+    rows; G rows of greedy requests, P rows of point-mass requests, Q drafts of the S requests
+    verified against draft probabilities ("sampled")."""
+
+    lengths: torch.Tensor       # [B] l_r
+    first_row: torch.Tensor     # [B] each request's first target row
+    draft_req: torch.Tensor     # [D] each draft's request
+    draft_pos: torch.Tensor     # [D] each draft's position in its block
+    row_req: torch.Tensor       # [D + B] each target row's request
+    argmax_rows: torch.Tensor   # [G] rows whose token is the argmax (greedy requests)
+    drawn_rows: torch.Tensor    # [P] rows whose token is drawn from the target (point masses; l_r = 0)
+    drawn_u: torch.Tensor       # [P] the uniform of each draw
+    q_drafts: torch.Tensor      # [Q] drafts accepted with probability min(1, p(x) / q(x))
+    q_reqs: torch.Tensor        # [S] the sampled requests
+    accept_u: torch.Tensor      # [Q] the uniforms of their acceptance tests
+    final_u: torch.Tensor       # [S] each one's uniform for its residual or bonus token
+    sampled: tuple[tuple[int, int, int], ...]   # host: (request, its first draft, l_r) of each sampled request
+    # point-mass requests with drafts: (request, generator, its states after 1 .. l draws), to set
+    # it back to where ``verify``, which draws only until the first mismatch, would leave it
+    rewind: tuple[tuple[int, torch.Generator, tuple[torch.Tensor, ...]], ...]
+
+
+def plan_batch(batch: VerifyBatch, dev: torch.device) -> VerifyPlan:
+    """``verify_batch``'s host part: the plan's indices (on ``dev`` in one transfer) and uniforms.
+    Each request's uniforms come from its own generator as ``verify`` draws them: rand(l) for the
+    acceptance tests, then one rand(1) for the residual or bonus token; a point-mass request's
+    rand(1) for each of its l + 1 target draws, of which ``verify`` uses only n + 1 (``rewind``).
+    A point-mass request with drafts needs a generator of its own (not None, not another's)."""
+    users = Counter(id(g) for g, greedy in zip(batch.generators, batch.greedy) if not greedy)
+    draft_req: list[int] = []
+    draft_pos: list[int] = []
+    row_req: list[int] = []
+    first_row: list[int] = []
+    argmax_rows: list[int] = []
+    drawn_rows: list[int] = []
+    q_drafts: list[int] = []
+    sampled: list[int] = []
+    drawn_u: list[torch.Tensor] = []
+    accept_u: list[torch.Tensor] = []
+    final_u: list[torch.Tensor] = []
+    rewind = []
+    blocks: list[tuple[int, int, int]] = []
+    row = 0
+    for i, (l, greedy, pm, g) in enumerate(zip(batch.lengths, batch.greedy, batch.point_mass, batch.generators)):
+        draft_req += [i] * l
+        draft_pos += range(l)
+        row_req += [i] * (l + 1)
+        first_row.append(row)
+        if greedy:
+            argmax_rows += range(row, row + l + 1)
+        elif pm or l == 0:      # l == 0: verify draws the token from p[0] either way
+            drawn_rows += range(row, row + l + 1)
+            if l:
+                if g is None or users[id(g)] > 1:
+                    raise ValueError("a point-mass request with drafts needs a generator of its own in the batch")
+                states = []
+                for _ in range(l):
+                    drawn_u.append(torch.rand(1, generator=g, device=g.device))
+                    states.append(g.get_state())
+                rewind.append((i, g, tuple(states)))
+            drawn_u.append(torch.rand(1, generator=g, device=_device(g)))
+        else:
+            q_drafts += range(row - i, row - i + l)
+            sampled.append(i)
+            blocks.append((i, row - i, l))
+            accept_u.append(torch.rand(l, generator=g, device=dev))
+            final_u.append(torch.rand(1, generator=g, device=_device(g)))
+        row += l + 1
+    parts = [batch.lengths, first_row, draft_req, draft_pos, row_req, argmax_rows, drawn_rows, q_drafts, sampled]
+    flat = _to(torch.tensor([*itertools.chain(*parts)], dtype=torch.long), dev).split([len(p) for p in parts])
+    uniforms = [_to(torch.cat(u), dev) if u else torch.empty(0, device=dev) for u in (drawn_u, accept_u, final_u)]
+    return VerifyPlan(lengths=flat[0], first_row=flat[1], draft_req=flat[2], draft_pos=flat[3], row_req=flat[4],
+                      argmax_rows=flat[5], drawn_rows=flat[6], drawn_u=uniforms[0], q_drafts=flat[7], q_reqs=flat[8],
+                      accept_u=uniforms[1], final_u=uniforms[2], sampled=tuple(blocks), rewind=tuple(rewind))
+
+
+def verify_batch(draft_tokens: torch.Tensor, draft_probs: Sequence[torch.Tensor | None] | None, target: torch.Tensor,
                  batch: VerifyBatch) -> list[tuple[int, int] | None]:
     """``verify`` for every request of a step at once, with one host synchronisation in all.
 
     draft_tokens [D] long: every request's drafts, concatenated (D = sum of the l_r);
-    draft_probs [N, V] or None: the rows (``batch.q_rows``) of the drafts' probabilities of the
-        sampled requests that have them (neither greedy nor point_mass);
+    draft_probs: per request its drafts' probabilities [l_r, V] (read for sampled requests only:
+        neither greedy nor point mass; only the entries of its drafts and one row are read);
     target [D + B, V]: each request's l_r + 1 rows (``target_rows``: its processed probabilities
         (fp32), or its logits when greedy), concatenated. ``stack_requests`` builds them.
 
     Returns per request (n accepted drafts, the token emitted after them): exactly ``verify``'s
-    answer from the same generator states, and the states are left as ``verify`` leaves them (see
-    ``_plan``). The arithmetic is ``verify``'s, row by row. None for a request where a value the
-    verification reads is NaN (a row's argmax or its drawn total, a draft's probabilities, the
-    residual): its law is broken (``verify`` would emit an arbitrary token); a NaN logit makes
-    its whole row NaN once a softmax has run over it, so every broken sampled row is seen.
+    answer from the same generator states, and the states are left as ``verify`` leaves them. The
+    arithmetic is ``verify``'s, row by row. None for a request where a value the verification
+    reads is NaN (a row's argmax or its drawn total, a draft's probabilities, the residual): its
+    law is broken (``verify`` would emit an arbitrary token); a NaN logit makes its whole row NaN
+    once a softmax has run over it, so every broken sampled row is seen.
     """
     lengths, b, d = batch.lengths, len(batch.lengths), sum(batch.lengths)
     if not b:
@@ -175,42 +251,30 @@ def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
     if all(batch.greedy):       # the argmax alone decides: no plan, no generator
         return _greedy_batch(draft_tokens, target, lengths)
     dev = target.device
-    idx, u, rewind = _plan(batch, dev)
-    if idx["q_reqs"] and (draft_probs is None or len(idx["q_rows"]) != len(idx["q_drafts"])
-                          or max(idx["q_rows"]) >= draft_probs.shape[0]):
-        raise ValueError(f"need {len(idx['q_drafts'])} rows of draft probabilities, got "
-                         f"{0 if draft_probs is None else draft_probs.shape[0]}")
-    flat = torch.tensor([*itertools.chain(*idx.values()), *lengths], dtype=torch.long)
-    t = dict(zip([*idx, "lengths"], _to(flat, dev).split([*map(len, idx.values()), b])))
-    x, lengths_t = _to(draft_tokens.long(), dev), t["lengths"]
-    row_of = torch.arange(d, device=dev) + t["draft_req"]        # draft j of request i: target row j + i
-    y = torch.zeros(d + b, dtype=torch.long, device=dev)          # the target's own token (greedy, point mass)
+    plan = plan_batch(batch, dev)
+    given = list(draft_probs) if draft_probs is not None else []
+    q = [given[i] if i < len(given) else None for i, _, _ in plan.sampled]
+    for (i, _, _), qi in zip(plan.sampled, q):
+        if qi is None or qi.shape[0] < lengths[i]:
+            raise ValueError(f"request {i}: need {lengths[i]} rows of draft probabilities, got "
+                             f"{0 if qi is None else qi.shape[0]}")
+    x = _to(draft_tokens.long(), dev)
+    row_of = torch.arange(d, device=dev) + plan.draft_req       # draft j of request i: target row j + i
+    y = torch.zeros(d + b, dtype=torch.long, device=dev)         # the target's own token at each row
     nan = torch.zeros(d + b, dtype=torch.bool, device=dev)
-    if idx["argmax"]:
-        scores = _select(target, t["argmax"])
-        top, best = scores.max(-1)      # argmax's indices; a NaN counts as the largest: top is NaN there
-        y.index_copy_(0, t["argmax"], best)
-        nan.index_copy_(0, t["argmax"], top.isnan())
-    if idx["drawn"]:
-        drawn, total = _draw(_select(target, t["drawn"]), _to(torch.cat(u["drawn"]), dev))
-        y.index_copy_(0, t["drawn"], drawn)
-        nan.index_copy_(0, t["drawn"], total.isnan())
-    accept = x == y[row_of]
-    bad = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, t["row_req"], nan.long())
-    if idx["q_reqs"]:
-        assert draft_probs is not None
-        xq = x[t["q_drafts"]]
-        p_x, q_x = target[row_of[t["q_drafts"]], xq], draft_probs[t["q_rows"], xq].float()
-        accept.index_copy_(0, t["q_drafts"], ~(torch.cat(u["accept"]) * q_x >= p_x))
-        bad.index_add_(0, t["draft_req"][t["q_drafts"]], (p_x.isnan() | q_x.isnan()).long())
-    stop = torch.where(accept, lengths_t[t["draft_req"]], t["draft_pos"])   # a block stops at its first rejection
-    n = lengths_t.clone().scatter_reduce_(0, t["draft_req"], stop, "amin")
-    token = y[t["first_row"] + n]
-    if idx["q_reqs"]:
-        assert draft_probs is not None
-        _residual_tokens(target, draft_probs, t, n, _to(torch.cat(u["final"]), dev), token, bad)
+    _argmax_tokens(target, plan.argmax_rows, y, nan)
+    _drawn_tokens(target, plan.drawn_rows, plan.drawn_u, y, nan)
+    accept = x == y[row_of]           # greedy and point masses: the draft is the target's own token
+    bad = torch.zeros(b, dtype=torch.long, device=dev).index_add_(0, plan.row_req, nan.long())
+    if plan.sampled:
+        _ratio_tests(target, cast(list[torch.Tensor], q), plan, x, row_of, accept, bad)
+    stop = torch.where(accept, plan.lengths[plan.draft_req], plan.draft_pos)   # a block stops at its first rejection
+    n = plan.lengths.clone().scatter_reduce_(0, plan.draft_req, stop, "amin")
+    token = y[plan.first_row + n]
+    if plan.sampled:
+        _residual_tokens(target, cast(list[torch.Tensor], q), plan, n, token, bad)
     n_host, token_host, bad_host = torch.stack([n, token, bad]).tolist()    # the one synchronisation
-    for i, g, states in rewind:
+    for i, g, states in plan.rewind:
         if n_host[i] < lengths[i]:
             g.set_state(states[n_host[i]])
     return [None if bad_host[i] else (n_host[i], token_host[i]) for i in range(b)]
@@ -234,73 +298,53 @@ def _greedy_batch(draft_tokens: torch.Tensor, target: torch.Tensor, lengths: lis
     return out
 
 
-def _residual_tokens(target: torch.Tensor, draft_probs: torch.Tensor, t: dict[str, torch.Tensor], n: torch.Tensor,
-                     u: torch.Tensor, token: torch.Tensor, bad: torch.Tensor) -> None:
-    """The token of each request verified against draft probabilities, into ``token``: drawn from
-    the residual norm(max(0, p_n - q_n)) at its rejection, or from p where all were accepted or the
-    residual has no mass (p == q there); a NaN read counts in ``bad``."""
-    q_reqs = t["q_reqs"]
-    nq, lq = n[q_reqs], t["lengths"][q_reqs]
-    p = target.index_select(0, t["first_row"][q_reqs] + nq)
-    # the draft probabilities at the rejection (row l - 1 where all are accepted: not used)
-    q = draft_probs.index_select(0, t["q_rows"][t["q_first"] + torch.minimum(nq, lq - 1)]).float()
-    residual = (p - q).clamp_min_(0.0)
+def _argmax_tokens(target: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, nan: torch.Tensor) -> None:
+    """Greedy requests' rows [G]: the target's token is the argmax (sampling.argmax), into ``y``; a
+    NaN score (which max counts as the largest) marks the row in ``nan``."""
+    if rows.numel():
+        top, best = _select(target, rows).max(-1)
+        y.index_copy_(0, rows, best)
+        nan.index_copy_(0, rows, top.isnan())
+
+
+def _drawn_tokens(target: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, y: torch.Tensor,
+                  nan: torch.Tensor) -> None:
+    """Point-mass requests' rows [P] (and sampled rows without drafts): the target's token drawn by
+    inverse CDF from ``u`` [P], into ``y``; a row whose total is NaN is marked in ``nan``."""
+    if rows.numel():
+        drawn, total = _draw(_select(target, rows), u)
+        y.index_copy_(0, rows, drawn)
+        nan.index_copy_(0, rows, total.isnan())
+
+
+def _ratio_tests(target: torch.Tensor, q: list[torch.Tensor], plan: VerifyPlan, x: torch.Tensor,
+                 row_of: torch.Tensor, accept: torch.Tensor, bad: torch.Tensor) -> None:
+    """Sampled requests' drafts [Q]: x accepted where u * q(x) < p(x), into ``accept``; a NaN
+    probability read counts in ``bad``. Of each request's draft probabilities [l_r, V] only its
+    drafts' entries are read."""
+    p_x = target[row_of[plan.q_drafts], x[plan.q_drafts]]
+    q_x = torch.cat([qi[torch.arange(l, device=qi.device), x[s:s + l]]
+                     for qi, (_, s, l) in zip(q, plan.sampled)]).float()
+    accept.index_copy_(0, plan.q_drafts, ~(plan.accept_u * q_x >= p_x))
+    bad.index_add_(0, plan.draft_req[plan.q_drafts], (p_x.isnan() | q_x.isnan()).long())
+
+
+def _residual_tokens(target: torch.Tensor, q: list[torch.Tensor], plan: VerifyPlan, n: torch.Tensor,
+                     token: torch.Tensor, bad: torch.Tensor) -> None:
+    """Sampled requests' tokens, into ``token``: drawn from the residual norm(max(0, p_n - q_n)) at
+    the rejection, or from p where all were accepted or the residual has no mass (p == q there); a
+    NaN read counts in ``bad``. Of each request's draft probabilities one row is read."""
+    nq, lq = n[plan.q_reqs], plan.lengths[plan.q_reqs]
+    p = target.index_select(0, plan.first_row[plan.q_reqs] + nq)
+    # each request's draft probabilities at its rejection (row l - 1 where all are accepted: not used)
+    at = torch.minimum(nq, lq - 1)
+    qn = torch.cat([qi.index_select(0, at[k:k + 1]) for k, qi in enumerate(q)]).float()
+    residual = (p - qn).clamp_min_(0.0)
     mass = residual.sum(-1)
     use_p = (nq == lq) | (mass.double() <= 1e-12)   # all accepted, or p == q there
-    drawn, total = _draw(torch.where(use_p[:, None], p, residual), u)
-    token.index_copy_(0, q_reqs, drawn)
-    bad.index_add_(0, q_reqs, (mass.isnan() | total.isnan()).long())
-
-
-def _plan(batch: VerifyBatch, dev: torch.device) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], list]:
-    """``verify_batch``'s host part: where each request's rows are, and its uniforms, drawn from its
-    own generator by the very calls ``verify`` makes: rand(l) for the acceptance tests, then one
-    rand(1) for the residual or bonus token; a point-mass request's rand(1) for each of its l + 1
-    target draws, after which ``verify_batch`` sets its generator back to where it stood after the
-    n + 1 that ``verify`` draws (the states to set back to are in the third part). A point-mass
-    request with drafts needs a generator of its own (not None, not another's in the batch)."""
-    users = Counter(id(g) for g, greedy in zip(batch.generators, batch.greedy) if not greedy)
-    idx: dict[str, list[int]] = {k: [] for k in (
-        "draft_req",    # per draft: its request
-        "draft_pos",    # per draft: its position in its block
-        "row_req",      # per target row: its request
-        "first_row",    # per request: its first target row
-        "argmax",       # target rows whose token is the argmax (greedy requests)
-        "drawn",        # target rows whose token is drawn (point-mass requests: every row)
-        "q_drafts",     # drafts accepted with probability min(1, p(x) / q(x))
-        "q_rows",       # their rows of draft_probs
-        "q_reqs",       # their requests
-        "q_first")}     # the requests' first drafts among q_drafts
-    u: dict[str, list[torch.Tensor]] = {"drawn": [], "accept": [], "final": []}
-    rewind = []        # (point-mass request, its generator, its states after 1 .. l draws)
-    row = 0
-    for i, (l, greedy, pm, g) in enumerate(zip(batch.lengths, batch.greedy, batch.point_mass, batch.generators)):
-        idx["draft_req"] += [i] * l
-        idx["draft_pos"] += range(l)
-        idx["row_req"] += [i] * (l + 1)
-        idx["first_row"].append(row)
-        if greedy:
-            idx["argmax"] += range(row, row + l + 1)
-        elif pm or l == 0:      # l == 0: verify draws the token from p[0] either way
-            idx["drawn"] += range(row, row + l + 1)
-            if l:
-                if g is None or users[id(g)] > 1:
-                    raise ValueError("a point-mass request with drafts needs a generator of its own in the batch")
-                states = []
-                for _ in range(l):
-                    u["drawn"].append(torch.rand(1, generator=g, device=g.device))
-                    states.append(g.get_state())
-                rewind.append((i, g, states))
-            u["drawn"].append(torch.rand(1, generator=g, device=_device(g)))
-        else:
-            idx["q_first"].append(len(idx["q_drafts"]))
-            idx["q_drafts"] += range(row - i, row - i + l)
-            idx["q_reqs"].append(i)
-            u["accept"].append(torch.rand(l, generator=g, device=dev))
-            u["final"].append(torch.rand(1, generator=g, device=_device(g)))
-        row += l + 1
-    idx["q_rows"] = list(range(len(idx["q_drafts"]))) if batch.q_rows is None else list(batch.q_rows)
-    return idx, u, rewind
+    drawn, total = _draw(torch.where(use_p[:, None], p, residual), plan.final_u)
+    token.index_copy_(0, plan.q_reqs, drawn)
+    bad.index_add_(0, plan.q_reqs, (mass.isnan() | total.isnan()).long())
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,31 +354,6 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     total = cdf[:, -1]
     idx = torch.searchsorted(cdf, (u.double() * total).unsqueeze(-1), right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1), total
-
-
-def _rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """The rows of ``parts`` ([n_i, V] each) as (one tensor, the index there of each part's rows, in
-    order): where every part is rows of one tensor's memory (views of a drafter's output), that
-    memory's rows as they lie (no copy), else the parts concatenated."""
-    first = parts[0]
-    width = first.shape[-1]
-    ptr = first.untyped_storage().data_ptr()
-    offsets = [p.storage_offset() for p in parts]
-    low = min(offsets)
-    if all(p.dim() == 2 and p.shape[1] == width and p.dtype == first.dtype and p.device == first.device
-           and p.stride(1) == 1 and (p.stride(0) == width or p.shape[0] == 1)
-           and p.untyped_storage().data_ptr() == ptr and (o - low) % width == 0 for p, o in zip(parts, offsets)):
-        n = max((o - low) // width + p.shape[0] for p, o in zip(parts, offsets))
-        return (first.as_strided((n, width), (width, 1), low),
-                [(o - low) // width + k for p, o in zip(parts, offsets) for k in range(p.shape[0])])
-    return torch.cat(parts), list(range(sum(p.shape[0] for p in parts)))
-
-
-def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts) along rows, or, where they are consecutive rows of one tensor, a view of
-    them (no copy)."""
-    base, rows = _rows(parts)
-    return base if rows == list(range(base.shape[0])) else torch.cat(parts)
 
 
 def _select(target: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_target(args.target, "bf16")
     model = target.model
-    message = model.compile()
-    compiled = model._compiled
-    if compiled is None or compiled.disabled:
+    compiled, message = model.build_graphs()
+    if compiled.disabled:
         raise SystemExit(f"error: {message}")
     ids = torch.tensor(target.tokenizer("Write a story about a dragon who learns to code in Python.")["input_ids"])
 
     def use(on: bool) -> None:
-        model._compiled = compiled if on else None
+        model.use_graphs(compiled if on else None)
 
     # how far apart: a greedy decode of 64 tokens on each path, logits compared step by step
     runs = {}

@@ -67,7 +67,7 @@ def main():
         for name in FUNCTIONS:
             wrap(module, name)
     res = conc.run_closed_loop(target, drafter, policy, prompts, args.concurrency, args.max_new_tokens,
-                               SamplingParams(temperature=1.0, seed=0), drafter.block_size, cost_table=table)
+                               SamplingParams(temperature=1.0, seed=0), drafter.block_size)
     steps = res["engine_steps"]
     print(f"{args.policy} at {args.concurrency} requests: {steps} steps, {1e3 * res['step_seconds'] / steps:.2f} ms a "
           f"step, decisions {1e3 * res['decision_seconds'] / steps:.3f} ms a step (the wrappers add ~1 us a call)")

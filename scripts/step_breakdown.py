@@ -4,14 +4,13 @@ and the survivals the policy expected to be accepted), beside the cost table's p
 
 Closed-loop clients as in `dspark bench concurrency` (temperature 1, 64 new tokens each). First the
 whole run by phase (steady: every slot decoding; prefill: some request prefilling; tail: slots
-empty, nobody waiting), then the steady steps alone. Timings come from wrapping the
-drafter's `propose` and the target's forward of the one engine the policy runs on.
+empty, nobody waiting), then the steady steps alone. Timings come from the engine's step records
+(`Engine.add_step_listener`).
 
     .venv/bin/python scripts/step_breakdown.py --drafter dspark --concurrency 16 --policies plain,prefix,async
 """
 
 import argparse
-import time
 
 import torch
 
@@ -27,59 +26,45 @@ from dspark.scheduling.costs import CostTable, table_key_for
 
 
 def run(target, drafter, table, policy_name, prompts, C, new_tokens):
+    """Every step of one policy's closed loop, from the engine's step records (Engine.add_step_listener)
+    and the survivals the policy expected of the tokens it verified."""
     policy = make_policy(policy_name, drafter.block_size, cost_table=table)
     engine = Engine(target.model, drafter, policy, max_requests=C,
                     max_len=max(map(len, prompts)) + new_tokens + drafter.block_size + 2,
-                    eos_ids=target.eos_token_ids, cost_table=table)
-    cur = {}
-    decoder_cls = type(target.model)
-    inner_propose, inner_forward, inner_verify = drafter.propose, decoder_cls.__call__, policy.verify_lengths
-
-    def propose(contexts):
-        t = time.perf_counter()
-        out = inner_propose(contexts)
-        cur["draft"] += time.perf_counter() - t
-        cur["drafting"] += sum(1 for p in out if len(p))
-        return out
-
-    def forward(self, ids, *args, **kwargs):
-        t = time.perf_counter()
-        out = inner_forward(self, ids, *args, **kwargs)
-        cur["forward"] += time.perf_counter() - t
-        return out
+                    eos_ids=target.eos_token_ids)
+    expected = [0.0]        # the policy's expected accepted tokens in the step running
+    inner_verify = policy.verify_lengths
 
     def verify_lengths(requests, proposals):
         out = inner_verify(requests, proposals)
         if hasattr(policy, "profile"):
             prof = policy.profile.conditional()
-            cur["expected"] += sum(sum(survivals(p, prof)[:n]) for p, n in zip(proposals, out))
-        cur["verified"] += sum(out)
+            expected[0] += sum(sum(survivals(p, prof)[:n]) for p, n in zip(proposals, out))
         return out
 
-    drafter.propose, decoder_cls.__call__, policy.verify_lengths = propose, forward, verify_lengths
+    policy.verify_lengths = verify_lengths
+    records = []
+    engine.add_step_listener(records.append)
     steps, queue, live = [], list(prompts), []
     params = SamplingParams(temperature=1.0, seed=0)
-    try:
-        while queue or live:
-            while queue and len(live) < C:
-                live.append(engine.add_request(queue.pop(0), params, new_tokens))
-            engine._admit()
-            steady = len(engine.running) == C and not engine.waiting and all(r.ctx for r in engine.running)
-            prefilling = any(r.ctx is None for r in engine.running)
-            phase = "steady" if steady else "prefill" if prefilling else "tail"
-            ctx = sum(len(r.ctx.tokens) for r in engine.running if r.ctx) // max(1, len(engine.running))
-            decoding = sum(1 for r in engine.running if r.ctx)
-            before = sum(len(r.output_ids) for r in live)
-            cur.update(draft=0.0, forward=0.0, drafting=0, expected=0.0, verified=0)
-            t = time.perf_counter()
-            engine.step()
-            cur["seconds"] = time.perf_counter() - t
-            cur["emitted"] = sum(len(r.output_ids) for r in live) - before
-            steps.append(dict(cur, context=ctx, phase=phase, decoding=decoding))
-            live = [r for r in live if not r.done]
-    finally:
-        del drafter.propose
-        decoder_cls.__call__ = inner_forward
+    while queue or live:
+        while queue and len(live) < C:
+            live.append(engine.add_request(queue.pop(0), params, new_tokens))
+        running = [r for r in live if r.status == "running" and r.ctx is not None]
+        ctx = sum(len(r.ctx.tokens) for r in running) // max(1, len(running))
+        before = sum(len(r.output_ids) for r in live)
+        expected[0] = 0.0
+        engine.step()
+        rec = records[-1]
+        blocks = [o for o in rec.requests if o.verified and not o.free and not o.forced]
+        phase = ("prefill" if rec.prefill_tokens else "steady" if len(rec.requests) == C and not engine.waiting
+                 else "tail")
+        steps.append({"seconds": rec.seconds, "forward": rec.forward_seconds, "draft": rec.draft_seconds,
+                      "drafting": sum(1 for o in rec.requests if o.drafted and not o.free),
+                      "verified": sum(o.verified for o in blocks), "expected": expected[0],
+                      "emitted": sum(len(r.output_ids) for r in live) - before, "context": ctx,
+                      "phase": phase, "decoding": len(rec.requests)})
+        live = [r for r in live if not r.done]
     return steps
 
 

@@ -14,7 +14,7 @@ import torch
 
 from dspark.drafters.base import Proposal
 from dspark.scheduling.auto import AutoPolicy
-from dspark.scheduling.base import RequestOutcome, StepOutcome
+from dspark.scheduling.base import RequestOutcome, RequestView, StepOutcome
 from dspark.scheduling.learned import LearnedCosts, bucket
 from dspark.scheduling.policies import make_policy
 
@@ -48,7 +48,7 @@ def timed(lengths, prefill=0, free=(), drafted=None):
 
 
 def requests(n):
-    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 8, features=[])) for i in range(n)]
+    return [RequestView(i, context=16, pending_rows=0, room=64) for i in range(n)]
 
 
 def test_learned_costs_price_steps_as_they_ran(tmp_path):
@@ -197,10 +197,8 @@ def test_a_measuring_step_times_the_drafter_on_the_requests_with_least_to_catch_
     # at its first call): the quarter of a load that times it is the quarter with the fewest such rows
     costs = LearnedCosts("k", BLOCK, tmp_path / "c.json")
     policy = AutoPolicy(make_policy("prefix", BLOCK), costs, max_requests=8)
-    reqs = requests(8)
     waiting = [90, 12, 300, 7, 55, 160, 9, 40]          # rows of target features not yet drafted from
-    for r, n in zip(reqs, waiting):
-        r.ctx.features = [torch.zeros(n, 4)]
+    reqs = [dataclasses.replace(r, pending_rows=n) for r, n in zip(requests(8), waiting)]
     policy.observe(timed(policy.draft_lengths(reqs, BLOCK, [0] * 8)))          # the plain step
     assert policy.draft_lengths(reqs, BLOCK, [0] * 8) == [0, 0, 0, BLOCK, 0, 0, BLOCK, 0]
     # among the requests no lookup serves

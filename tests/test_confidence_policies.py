@@ -8,6 +8,8 @@
   sampled tokens): chi-square against the target's exact law, asserting several lengths were chosen.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from dspark.drafters.dspark import DSparkDrafter
 from dspark.engine import Engine
 from dspark.sampling import SamplingParams
 from dspark.scheduling.algorithm1 import expected_commit, prefix_schedule
-from dspark.scheduling.base import StepOutcome
+from dspark.scheduling.base import RequestView, StepOutcome
 from dspark.scheduling.policies import make_policy
 from dspark.scheduling.costs import CostTable
 from dspark.verify import verify
@@ -138,8 +140,7 @@ class _Spy:
 
 def _requests(n: int):
     """Stand-ins for n decoding requests with nothing drafted yet (what the policies read of them)."""
-    from types import SimpleNamespace
-    return [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2], features=[])) for i in range(n)]
+    return [RequestView(i, context=2, pending_rows=0, room=64) for i in range(n)]
 
 
 def _timed(seconds: float) -> StepOutcome:
@@ -160,7 +161,7 @@ def test_every_policy_keeps_the_target_distribution(policy):
                                                scale=2.0), target)
     spy = _Spy(make_policy(policy, 3, cost_table=_cost_table()))
     prompt, n_new, draws = [1, 3, 2, 4], 4, 3000
-    engine = Engine(target, drafter, spy, max_requests=32, block_size=3, max_len=16, cost_table=_cost_table())
+    engine = Engine(target, drafter, spy, max_requests=32, block_size=3, max_len=16)
     reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new,
                                exact_seed=False)
             for s in range(draws)]
@@ -482,9 +483,7 @@ def test_drafting_prices_the_context_a_request_hands_the_drafter_after_a_pause()
     def wants(rows):
         pol = PrefixPolicy(table, block=3)
         pol.profile.hits, pol.profile.tries = [0.5, 0.5, 0.5], [1.0] * 3
-        for r in reqs:
-            r.ctx.features[:] = [torch.zeros(1, 4)] * rows
-        return pol, pol.draft_lengths(reqs, 3)
+        return pol, pol.draft_lengths([dataclasses.replace(r, pending_rows=rows) for r in reqs], 3)
 
     pol, want = wants(1)
     assert min(want) >= 1 and pol._rows == 0
@@ -649,7 +648,7 @@ def test_prefix_verifies_free_lookup_proposals_by_their_own_acceptance():
                      draft=[[[0, 5.0, 5.0], [0, 5.0, 5.0], [0, 5.0, 5.0]]])    # the trained call never pays
     spy = _Spy(make_policy("prefix", 3, cost_table=dear))
     prompt, n_new, draws = [2, 0, 1, 2, 0, 1, 4], 4, 3000
-    engine = Engine(target, hybrid, spy, max_requests=32, block_size=3, max_len=16, cost_table=dear)
+    engine = Engine(target, hybrid, spy, max_requests=32, block_size=3, max_len=16)
     reqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, top_k=4, seed=s), n_new,
                                exact_seed=False) for s in range(draws)]
     engine.run()
@@ -668,7 +667,6 @@ def test_free_proposals_explored_alone_one_request_at_a_time():
     its free proposals now and then (so that their acceptance keeps being learned), but a step that
     verifies nothing else explores for one request at most, and no more often than keeps their
     price within the probes' budget: one token verified alone makes the whole step ragged."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.base import RequestOutcome
     R = 32
@@ -677,7 +675,7 @@ def test_free_proposals_explored_alone_one_request_at_a_time():
     dear = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
                      seconds=[[[1.0, 1.25, 1.6, 2.0], [1.0, 1.25, 1.6, 2.0]]])
     policy = make_policy("prefix", 3, cost_table=dear)
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
+    reqs = [RequestView(i, context=8, pending_rows=0, room=64) for i in range(R)]
     verifying = []
     for _ in range(80):
         policy.draft_lengths(reqs, 3, [3] * R)
@@ -694,13 +692,12 @@ def test_lone_explorations_thin_out_when_verifying_costs_more_than_the_table_say
     """A lone token is priced as the policy prices verification: the table's extra times rho, what
     verifying steps were measured to cost over it. Where a lone token costs three times the table's
     price, explorations come about a third as often, so they keep within their budget."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.base import RequestOutcome
     R = 32
     dear = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
                      seconds=[[[1.0, 1.25, 1.6, 2.0], [1.0, 1.25, 1.6, 2.0]]])
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
+    reqs = [RequestView(i, context=8, pending_rows=0, room=64) for i in range(R)]
 
     def explorations(lone_seconds):
         policy = make_policy("prefix", 3, cost_table=dear)
@@ -722,7 +719,6 @@ def test_lookups_rest_while_their_proposals_go_unverified_and_wake_when_one_is_v
     """A lookup per request costs a step time too: after ``free_rest_after`` steps whose free
     proposals the search verified none of, the policy asks for them every ``probe_every``-th step
     only; once one is verified again (here: the step's price falls), every step."""
-    from types import SimpleNamespace
     from dspark.drafters.base import Proposal
     from dspark.scheduling.base import RequestOutcome
     R = 32
@@ -731,7 +727,7 @@ def test_lookups_rest_while_their_proposals_go_unverified_and_wake_when_one_is_v
     cheap = CostTable("tiny", requests=[1, 32], verified=[0, 0.125, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.01, 1.02, 1.03], [1.0, 1.01, 1.02, 1.03]]])
     policy = make_policy("prefix", 3, cost_table=dear)
-    reqs = [SimpleNamespace(id=i, ctx=SimpleNamespace(tokens=[1, 2] * 4, features=[])) for i in range(R)]
+    reqs = [RequestView(i, context=8, pending_rows=0, room=64) for i in range(R)]
 
     def run(steps, accept):
         asked = []

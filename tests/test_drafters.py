@@ -80,11 +80,11 @@ def test_draft_lm_catches_up_and_rolls_back():
     pa, pb = d.propose([a, b])
     assert len(pa) == 3 and len(pb) == 2 and pa.probs.shape == (3, 11)
     # the cache holds the context plus all but the last draft
-    assert d.cache.lengths[a.state["slot"]] == 4 + 2
+    assert d.cache.lengths[a.slot] == 4 + 2
     # one draft accepted, then a new token: only the common prefix stays cached
     a.tokens += [int(pa.tokens[0]), 9]
     pa2, = d.propose([a])
-    assert d.cache.lengths[a.state["slot"]] == len(a.tokens) + 2
+    assert d.cache.lengths[a.slot] == len(a.tokens) + 2
 
     def ref(tokens, k):  # greedy drafting from scratch
         cache = model.new_cache(1, 32)

@@ -47,7 +47,7 @@ def _run(name: str):
 
     policy.observe = lambda o: (outcomes.append(o), observe(o))[1]
     policy.verify_lengths = verify_lengths
-    engine = Engine(target, hybrid, policy, max_requests=3, block_size=3, max_len=64, cost_table=_table())
+    engine = Engine(target, hybrid, policy, max_requests=3, block_size=3, max_len=64)
     prompts = [[1, 3, 2, 4], [2, 0, 1, 2, 0, 1, 4], [4, 4, 3], [1, 2, 1, 2, 1, 2], [3, 0, 3, 0, 2], [0, 1, 2, 3]]
     reqs = [engine.add_request(p, SamplingParams(temperature=1.0, seed=i), 12 + 2 * i) for i, p in enumerate(prompts)]
     calls = 0

@@ -16,9 +16,9 @@ import urllib.request
 import pytest
 
 import dspark.server
-import dspark.server_door
+import dspark.server.door
 from dspark.drafters import NgramDrafter
-from dspark.server_door import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PROMPTS
+from dspark.server.door import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_PROMPTS
 
 from test_server import post, serving
 from test_server_hardening import _tiny_server_target, answers, raw
@@ -146,8 +146,8 @@ def test_health_answers_while_a_20_mb_request_is_parsed_or_tokenised(roomy, monk
     url, srv = roomy
     tok = _Held(srv.tokenizer, hold=where == "tokenizer")
     monkeypatch.setattr(srv, "tokenizer", tok)
-    held = tok if where == "tokenizer" else _Held(dspark.server_door._parsed)
-    monkeypatch.setattr(dspark.server_door, "_parsed", held if where == "parser" else dspark.server_door._parsed)
+    held = tok if where == "tokenizer" else _Held(dspark.server.door._parsed)
+    monkeypatch.setattr(dspark.server.door, "_parsed", held if where == "parser" else dspark.server.door._parsed)
     got = {}
     big = threading.Thread(target=lambda: got.update(out=post(url + route, body)))
     big.start()
@@ -300,7 +300,7 @@ def test_transport_refuses_what_a_web_page_or_a_stalled_client_sends(tiny, monke
     """415 for a body sent as a form or text/plain (what any web page can send a local server);
     408 and a closed connection for a body that stalls; a 413 at once for a Content-Length past the
     limit with no body behind it; HEAD /health; the Bearer scheme in any case."""
-    monkeypatch.setattr(dspark.server_door, "BODY_SECONDS", 1.0)
+    monkeypatch.setattr(dspark.server.door, "BODY_SECONDS", 1.0)
     with serving(tiny, NgramDrafter(block_size=3), max_len=128, api_key="sesame", max_body_mb=1) as (url, _):
         key = {"authorization": "Bearer sesame"}
         for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
@@ -332,7 +332,7 @@ def test_memory_goes_back_when_the_server_goes_idle(small, monkeypatch):
     from dspark.runtime.allocator import release_memory
     url, _ = small
     calls: list[int] = []
-    monkeypatch.setattr(dspark.server, "release_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(dspark.server.worker, "release_memory", lambda: calls.append(1) or True)
     status, out = post(url + "/v1/completions", {"prompt": "hello", "max_tokens": 6, "temperature": 0})
     assert status == 200, out
     deadline = time.time() + 10

@@ -48,7 +48,7 @@ class _Recorder(Policy):
 
     def draft_lengths(self, requests, block_size, free=None):
         want = self.inner.draft_lengths(requests, block_size, free)
-        self._step = {"ids": [r.id for r in requests], "contexts": [len(r.ctx.tokens) for r in requests],
+        self._step = {"ids": [r.id for r in requests], "contexts": [r.context for r in requests],
                       "want": list(want)}
         return want
 

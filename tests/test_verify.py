@@ -264,17 +264,42 @@ def test_a_greedy_step_verified_at_once_equals_the_per_request_one():
         assert got == want, f"step {step}"
 
 
-def test_stacked_rows_consecutive_in_one_tensor_are_not_copied():
+def test_stacked_rows_are_taken_as_given():
+    """The caller's one tensor of target rows is used as it is; draft probabilities are passed per
+    request as they are (never concatenated: only their drafts' entries and one row are read)."""
     logits = torch.randn(9, 5)
     blocks = [(torch.tensor([1, 2]), None, logits[:3], True, None), (torch.tensor([3]), None, logits[3:5], True, None)]
-    target = stack_requests(blocks)[2]
-    assert torch.equal(target, logits[:5]) and target.data_ptr() == logits.data_ptr()
+    target = stack_requests(blocks, logits[:5])[2]
+    assert target is not None and target.data_ptr() == logits.data_ptr()
     apart = stack_requests([blocks[0], (torch.tensor([3]), None, logits[4:6], True, None)])[2]
-    assert torch.equal(apart, torch.cat([logits[:3], logits[4:6]])) and apart.data_ptr() != logits.data_ptr()
+    assert torch.equal(apart, torch.cat([logits[:3], logits[4:6]]))
     q = torch.rand(2, 4, 5)      # a drafter's [requests, block, V] output, each request's first rows taken
-    _, probs, _, batch = stack_requests([(torch.tensor([1, 2]), q[0, :2], torch.rand(3, 5), False, None),
-                                         (torch.tensor([3]), q[1, :1], torch.rand(2, 5), False, None)])
-    assert probs is not None and probs.data_ptr() == q.data_ptr() and batch.q_rows == [0, 1, 4]
+    _, probs, _, _ = stack_requests([(torch.tensor([1, 2]), q[0, :2], torch.rand(3, 5), False, None),
+                                     (torch.tensor([3]), q[1, :1], torch.rand(2, 5), True, None)])
+    assert probs[0] is not None and probs[0].data_ptr() == q.data_ptr() and probs[1] is None
+
+
+def test_batched_verification_does_not_depend_on_how_draft_probabilities_lie_in_memory():
+    """The same answers whether each request's draft probabilities are its own tensor, rows of one
+    [requests, block, V] output, or a transposed (non-contiguous) view."""
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=1.0)
+    lengths, vocab = [3, 1, 4], 11
+    out = probs_from_logits(torch.randn(3, 5, vocab, generator=g), params)      # [requests, block, V]
+    logits = [torch.randn(l + 1, vocab, generator=g) for l in lengths]
+    drafts = [torch.multinomial(out[i, :l], 1, generator=g).squeeze(-1) for i, l in enumerate(lengths)]
+    layouts = {"views": [out[i, :l] for i, l in enumerate(lengths)],
+               "own": [out[i, :l].clone() for i, l in enumerate(lengths)],
+               "transposed": [out.transpose(0, 2).contiguous().transpose(0, 2)[i, :l] for i, l in enumerate(lengths)]}
+    assert not layouts["transposed"][0].is_contiguous()
+    answers = {}
+    for name, qs in layouts.items():
+        gens = [torch.Generator().manual_seed(i) for i in range(3)]
+        answers[name] = verify_batch(*stack_requests([(x, qi, target_rows(lg, params), False, gi)
+                                                      for x, qi, lg, gi in zip(drafts, qs, logits, gens)]))
+    ref = [verify(x, out[i, :l], lg, params, torch.Generator().manual_seed(i))
+           for i, (x, l, lg) in enumerate(zip(drafts, lengths, logits))]
+    assert answers["views"] == answers["own"] == answers["transposed"] == ref
 
 
 def test_batched_verification_fails_a_request_whose_law_holds_nan_alone():

@@ -49,6 +49,7 @@ class DraftContext:
     generator: torch.Generator | None
     num_draft: int                  # how many tokens to propose this round (0 = none)
     state: dict[str, Any] = field(default_factory=dict)  # the drafter's own per-request state
+    slot: int | None = None         # the request's slot in the drafter's own cache (drafters that keep one)
     # target features ([n, len(feature_layers) * d]) of the positions verified since the last round,
     # appended by the engine for drafters that declare ``feature_layers``; the drafter consumes them
     features: list = field(default_factory=list)

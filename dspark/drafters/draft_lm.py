@@ -32,13 +32,13 @@ class DraftLMDrafter(Drafter):
             self.cache = self.model.new_cache(max_requests, max_len)
 
     def _slot(self, ctx: DraftContext) -> int:
-        if "slot" not in ctx.state:
+        if ctx.slot is None:
             if self.cache is None:
                 self.prepare(1, max(1024, 2 * len(ctx.tokens)))
             assert self.cache is not None   # prepare allocated it
-            ctx.state["slot"] = self.cache.allocate()
+            ctx.slot = self.cache.allocate()
             ctx.state["cached"] = []
-        return ctx.state["slot"]
+        return ctx.slot
 
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
         active = [c for c in contexts if c.num_draft > 0]
@@ -79,7 +79,7 @@ class DraftLMDrafter(Drafter):
                 probs[i].append(p)
                 if step + 1 < ctx.num_draft:  # the last draft never needs to be fed
                     feed.append(tok)
-                    feed_seg.append((ctx.state["slot"], 1))
+                    feed_seg.append((self._slot(ctx), 1))
                     feed_idx.append(i)
                     ctx.state["cached"].append(tok)
             if not feed:
@@ -93,7 +93,7 @@ class DraftLMDrafter(Drafter):
         return [results[id(c)] for c in contexts]
 
     def release(self, ctx: DraftContext) -> None:
-        slot = ctx.state.pop("slot", None)
+        slot, ctx.slot = ctx.slot, None
         if slot is not None:
             assert self.cache is not None   # the slot came from it
             self.cache.free(slot)

@@ -18,6 +18,7 @@ head come from the target at load time and are never saved twice). Loading never
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -33,7 +34,7 @@ from ..runtime.linear import Weight, linear, pack, serve_fast, time_kernels
 from ..runtime.attention import SlotBatch, attend
 from ..runtime.layer import Attend, LayerShape, LayerWeights, decoder_layer, rms_norm
 from ..runtime.model import RopeTable
-from ..sampling import argmax, probs_from_logits, race_sample, sample_rows, uniforms
+from ..sampling import SamplingParams, argmax, probs_from_logits, race_sample, sample_rows, uniforms
 from .backbone import Backbone, DrafterLayer
 from .base import DraftContext, Drafter, Proposal
 from .compiled import BlockParts, CompiledBlock, warm_up
@@ -202,6 +203,7 @@ class DSparkDrafter(Drafter):
         self.cache: KVCache | None = None
         self._serving_weights()
         self._compiled: CompiledBlock | None = None
+        self._backbone = self._eager_backbone    # the pass ``use_graphs`` chose
         head = self.model.head
         self._markov = MarkovRows(head, pack(head.w2.weight.detach())) if head is not None and MarkovRows.fits(head) else None
 
@@ -239,6 +241,8 @@ class DSparkDrafter(Drafter):
     def use_graphs(self, graphs: CompiledBlock | None) -> None:
         """Run one request's drafting pass through these graphs from the next call on."""
         self._compiled = graphs
+        usable = graphs is not None and not graphs.disabled
+        self._backbone = self._compiled_backbone if usable else self._eager_backbone
 
     def prepare(self, max_requests: int, max_len: int) -> None:
         c = self.cache
@@ -250,15 +254,15 @@ class DSparkDrafter(Drafter):
                                  num_slots=max_requests, max_len=max_len, dtype=self.kv_dtype, device=self.device)
 
     def _slot(self, ctx: DraftContext) -> int:
-        if "slot" not in ctx.state:
+        if ctx.slot is None:
             if self.cache is None:
                 self.prepare(1, max(1024, 2 * len(ctx.tokens)))
             assert self.cache is not None       # prepare() always leaves one
-            ctx.state["slot"] = self.cache.allocate()
-        return ctx.state["slot"]
+            ctx.slot = self.cache.allocate()
+        return ctx.slot
 
     def release(self, ctx: DraftContext) -> None:
-        slot = ctx.state.pop("slot", None)
+        slot, ctx.slot = ctx.slot, None
         if slot is not None:
             assert self.cache is not None       # the slot came from it (_slot)
             self.cache.free(slot)
@@ -292,12 +296,38 @@ class DSparkDrafter(Drafter):
         (g-1)] attends to its whole context and to its whole block (non-causal). Context rows and
         block rows share each layer's one q/k/v product; block keys / values are written past the
         context length in the cache and overwritten by the next round's context."""
-        c = self.config
+        slots, feats, starts, new = self._take_context(contexts, g)
+        nc, R = sum(new), len(active)
+        if nc == 0 and R == 0:
+            return None
+        dev = self.device
+        rows_slot: list[int] = []
+        rows_pos: list[int] = []          # cache slot and position of every row (context rows, then block rows)
+        for slot, s, n in zip(slots, starts, new):
+            rows_slot += [slot] * n
+            rows_pos += range(s, s + n)
+        for ctx in active:
+            end = len(ctx.tokens) - 1     # the anchor's position
+            rows_slot += [self._slot(ctx)] * g
+            rows_pos += range(end, end + g)
+        rows = _Rows(torch.tensor(rows_slot, device=dev), torch.tensor(rows_pos, device=dev), slots, starts, new)
+        f = None if not nc else feats[0] if len(feats) == 1 else torch.cat(feats)      # [nc, m*d]
+        x = None                                                                        # [R * g, d]
+        if R:
+            m = self.model
+            x = m.mask_embedding.expand(R, g, -1).clone()
+            x[:, 0] = m.embed_tokens(torch.tensor([ctx.tokens[-1] for ctx in active], device=dev)).to(x.dtype)
+            x = x.reshape(R * g, -1)
+        return self._backbone(f, x, rows, active, g)
+
+    def _take_context(self, contexts: list[DraftContext], g: int) -> tuple[list[int], list, list[int], list[int]]:
+        """(each request's cache slot, the target features handed over since its last round, where
+        they start in its slot, how many rows each has): the features are taken from the contexts."""
         slots = [self._slot(ctx) for ctx in contexts]     # allocates the cache on first use
         cache = self.cache
+        assert cache is not None        # _slot() allocated it
         feats, starts, new = [], [], []
         for ctx, slot in zip(contexts, slots):
-            assert cache is not None        # _slot() allocated it
             n = sum(f.shape[0] for f in ctx.features)
             if cache.lengths[slot] + n != len(ctx.tokens) - 1:
                 raise RuntimeError("drafter context out of step with the request")
@@ -306,39 +336,29 @@ class DSparkDrafter(Drafter):
             ctx.features.clear()
             starts.append(cache.lengths[slot])
             new.append(n)
-        nc = sum(new)
-        R = len(active)
-        if nc == 0 and R == 0:
-            return None
-        assert cache is not None            # there is a context, so _slot() allocated it
-        bb = self.model.backbone
-        dev = self.device
-        rows_pos: list[int]
-        rows_slot, rows_pos = [], []      # cache slot and position of every row (context rows, then block rows)
-        for slot, s, n in zip(slots, starts, new):
-            rows_slot += [slot] * n
-            rows_pos += range(s, s + n)
-        for ctx in active:
-            end = len(ctx.tokens) - 1     # the anchor's position
-            rows_slot += [ctx.state["slot"]] * g
-            rows_pos += range(end, end + g)
-        slot_idx = torch.tensor(rows_slot, device=dev)
-        pos = torch.tensor(rows_pos, device=dev)
-        rope = self._rope.tables(pos, int(pos.max()))
-        f = None if not nc else feats[0] if len(feats) == 1 else torch.cat(feats)
-        x = None
-        if R:
-            m = self.model
-            x = m.mask_embedding.expand(R, g, -1).clone()
-            x[:, 0] = m.embed_tokens(torch.tensor([ctx.tokens[-1] for ctx in active], device=dev)).to(x.dtype)
-            x = x.reshape(R * g, -1)
-        if (self._compiled is not None and f is not None and x is not None and len(contexts) == 1 and R == 1
-                and self._compiled.takes(nc, g, starts[0])):
-            cos, sin = rope
-            h = self._compiled(f.to(self._dtype), x, cos, sin, cache, pos, slots[0], len(active[0].tokens) - 1 + g)
+        return slots, feats, starts, new
+
+    def _compiled_backbone(self, f: torch.Tensor | None, x: torch.Tensor | None, rows: _Rows,
+                           active: list[DraftContext], g: int) -> torch.Tensor | None:
+        """One request's pass through the compiled graphs where they take its shape, else eager."""
+        graphs, cache = self._compiled, self.cache
+        assert graphs is not None and cache is not None
+        if (f is not None and x is not None and len(rows.slots) == 1 and len(active) == 1
+                and graphs.takes(f.shape[0], g, rows.starts[0])):
+            cos, sin = self._rope.tables(rows.pos, int(rows.pos.max()))
+            h = graphs(f.to(self._dtype), x, cos, sin, cache, rows.pos, rows.slots[0], len(active[0].tokens) - 1 + g)
             if h is not None:
-                cache.lengths[slots[0]] += nc
+                cache.lengths[rows.slots[0]] += f.shape[0]
                 return h.view(1, g, -1)
+        return self._eager_backbone(f, x, rows, active, g)
+
+    def _eager_backbone(self, f: torch.Tensor | None, x: torch.Tensor | None, rows: _Rows,
+                        active: list[DraftContext], g: int) -> torch.Tensor | None:
+        """The backbone's layers over the context rows ``f`` [nc, m*d] (fused here) and the block rows
+        ``x`` [R * g, d]; the context rows' keys / values stay in the cache."""
+        c, bb, cache = self.config, self.model.backbone, self.cache
+        assert cache is not None
+        rope = self._rope.tables(rows.pos, int(rows.pos.max()))
         ctx_rows = None
         if f is not None:
             ctx_rows = rms_norm(linear(f.to(self._dtype), self._fc), bb.fc_norm.weight, c.rms_norm_eps)
@@ -346,18 +366,19 @@ class DSparkDrafter(Drafter):
                            c.head_dim ** -0.5)
         attend_fn = self._block_attention(active, g)
         for li, lw in enumerate(self._layers):
-            x = decoder_layer(lw, x, shape, rope, (cache.k[li], cache.v[li], slot_idx, pos), attend_fn,
+            x = decoder_layer(lw, x, shape, rope, (cache.k[li], cache.v[li], rows.slot, rows.pos), attend_fn,
                               context=ctx_rows)
-        for slot, n in zip(slots, new):
+        for slot, n in zip(rows.slots, rows.new):
             cache.lengths[slot] += n
-        return rms_norm(x, bb.norm.weight, c.rms_norm_eps).view(R, g, -1) if x is not None else None  # x set iff R
+        # x is set iff a request drafts
+        return rms_norm(x, bb.norm.weight, c.rms_norm_eps).view(len(active), g, -1) if x is not None else None
 
     def _block_attention(self, active: list[DraftContext], g: int) -> Attend:
         """Each active request's block of g rows attends to its whole slot up to the block's end
         (context and block, non-causal): R > 1 blocks in one product over their slots
         (runtime/attention.py), else block by block."""
         ends = [len(ctx.tokens) - 1 for ctx in active]        # each anchor's position
-        slots = [ctx.state["slot"] for ctx in active]
+        slots = [self._slot(ctx) for ctx in active]
         batch = None
         if len(active) > 1:
             batch = SlotBatch.of([(s, g) for s in slots], ends, [i * g for i in range(len(active))], self.device,
@@ -376,89 +397,145 @@ class DSparkDrafter(Drafter):
     def propose(self, contexts: list[DraftContext]) -> list[Proposal]:
         active = [c for c in contexts if c.num_draft > 0]
         steps = min(self.block_size, max((c.num_draft for c in active), default=0))
-        # a bonus-anchor block (imported z-lab DFlash / SpecForge checkpoints, ``sample_from_anchor``
-        # false): [anchor, MASK * steps], the anchor slot's output unused, draft k read from slot k
-        bonus = 1 if steps and not self.config.sample_from_anchor else 0
-        h = self._forward(contexts, active, steps + bonus)  # [R, g, d]; every context cache kept in step
-        if bonus and h is not None:
-            h = h[:, 1:].contiguous()
-        results = {id(c): Proposal.empty() for c in contexts}
+        h = self._hidden(contexts, active, steps)      # [R, steps, d]; every context cache kept in step
         if not active:
-            return [results[id(c)] for c in contexts]
-        assert h is not None                # _forward returns hidden states whenever a request is active
-        m = self.model
-        R = len(active)
-        U = m.base_logits(h.view(R * steps, -1)).float().view(R, steps, -1)   # [R, g, Vd]
-        prev = m.prev_rows[torch.tensor([c.tokens[-1] for c in active], device=self.device)]
-        state = m.head.init_state(R, h[:, 0]) if m.head is not None else None
-        V = self.config.vocab_size
-        vocab = m.draft_vocab
-        # requests with the same sampling settings sample together (one vectorised pass per group)
-        by_params: dict[tuple, list[int]] = {}
-        for i, c in enumerate(active):
-            by_params.setdefault((c.params.temperature, c.params.top_k, c.params.top_p), []).append(i)
-        groups = [(active[rows[0]].params, slice(None) if len(rows) == R else torch.tensor(rows))
-                  for rows in by_params.values()]
-        dev = U.device
-        u = uniforms([c.generator for c in active], steps, dev)      # each request's own stream
-        # seeded sampled requests race their draft law with the verifier's keys (DraftContext.exact)
-        exact = [i for i, c in enumerate(active) if c.exact]
-        toks = torch.empty(R, steps + 1, dtype=torch.long, device=dev)   # draft-vocabulary indices
-        toks[:, 0] = prev                                            # column 0: the anchor
-        pd = torch.empty(R, steps, vocab.numel(), device=dev)         # draft-vocabulary probabilities
-        # structured outputs: a request with a grammar samples each position from the tokens the grammar
-        # allows after its drafts so far; where none of the draft vocabulary is allowed its block ends
-        grammars = [(i, c.grammar) for i, c in enumerate(active) if c.grammar is not None]
-        pushed = {i: 0 for i, _ in grammars}
-        vocab_cpu = vocab.cpu() if grammars else None
-        ends = {}
-        allowed = {}        # the full-vocabulary mask each grammar request sampled position k from
-        for k in range(steps):
-            logits = U[:, k]
-            if self._markov is not None:
-                logits = logits + self._markov(toks[:, k]).float()
-            elif m.head is not None:
-                bias, _, state = m.head.step(h[:, k], toks[:, k], state)
-                logits = logits + bias.float()
-            if grammars:
-                logits = logits.clone()
-                for i, g in grammars:
-                    if i in ends:
-                        continue
-                    allowed[i] = g.allowed_now()
-                    ok = allowed[i][vocab_cpu].to(dev)
-                    if ok.any():
-                        logits[i] = logits[i].masked_fill(~ok, float("-inf"))
-                    else:
-                        ends[i] = k
-            for params, rows in groups:
-                p = probs_from_logits(logits[rows], params)
-                toks[rows, k + 1] = argmax(p) if params.greedy else sample_rows(p, u=u[rows, k])
-                pd[rows, k] = p
-            if exact:
-                ex = torch.tensor(exact, device=dev)
-                toks[ex, k + 1] = race_sample(pd[ex, k], [active[i].params.seed for i in exact],
-                                              [len(active[i].tokens) + k for i in exact], ids=vocab)
-            for i, g in grammars:
-                if i not in ends:
-                    if g.push(int(vocab[toks[i, k + 1]]), allowed[i]):
-                        pushed[i] += 1
-                    else:            # the grammar has ended: nothing after this token is drafted
-                        ends[i] = k + 1
-        for i, g in grammars:
-            g.pop(pushed[i])
-        confs = torch.ones(R, steps, device=dev)
-        if m.confidence is not None:   # c_k from h_k and the token before it: one pass after sampling
-            e = m.head.w1(toks[:, :steps]) if m.head is not None else None
-            greedy = torch.tensor([c.params.greedy for c in active], device=dev)[:, None]
-            temps = torch.where(greedy, self.greedy_temps[:steps], self.temps[:steps])
-            shifts = torch.where(greedy, self.greedy_shifts[:steps], self.shifts[:steps])
-            confs = torch.sigmoid(m.confidence(h, e).float() / temps + shifts)
-        toks = toks[:, 1:]
-        probs = torch.zeros(R, steps, V, device=dev)
+            return [Proposal.empty() for _ in contexts]
+        assert h is not None                # hidden states whenever a request is active
+        toks, pd, ends = self._sample_block(h, active, steps)
+        confs = self._confidences(h, toks[:, :steps], active, steps)
+        # back to the full vocabulary: token ids [R, steps], probabilities [R, steps, V]
+        vocab = self.model.draft_vocab
+        probs = torch.zeros(len(active), steps, self.config.vocab_size, device=pd.device)
         probs[:, :, vocab] = pd
-        toks = vocab[toks]
+        ids = vocab[toks[:, 1:]]
+        results = {id(c): Proposal.empty() for c in contexts}
         for i, c in enumerate(active):
             n = min(c.num_draft, steps, ends.get(i, steps))
-            results[id(c)] = Proposal(toks[i, :n], probs[i, :n], confs[i, :n])   # views: fresh tensors
+            results[id(c)] = Proposal(ids[i, :n], probs[i, :n], confs[i, :n])   # views: fresh tensors
         return [results[id(c)] for c in contexts]
+
+    def _hidden(self, contexts: list[DraftContext], active: list[DraftContext], steps: int) -> torch.Tensor | None:
+        """The backbone's hidden states [R, steps, d] for the drafts. A bonus-anchor block (imported
+        z-lab DFlash / SpecForge checkpoints, ``sample_from_anchor`` false) is [anchor, MASK *
+        steps]: the anchor slot's output is unused and draft k is read from slot k."""
+        bonus = 1 if steps and not self.config.sample_from_anchor else 0
+        h = self._forward(contexts, active, steps + bonus)
+        return h[:, 1:].contiguous() if bonus and h is not None else h
+
+    def _sample_block(self, h: torch.Tensor, active: list[DraftContext],
+                      steps: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+        """The drafts, position by position (the Markov head's bias depends on the token before):
+        (draft-vocabulary indices [R, steps + 1], column 0 the anchor; their laws [R, steps, Vd];
+        where a grammar ended a request's block). Requests with the same sampling settings sample
+        together; each request draws from its own stream; seeded sampled requests race their law
+        with the verifier's keys (DraftContext.exact)."""
+        m, R, dev = self.model, len(active), self.device
+        U = m.base_logits(h.view(R * steps, -1)).float().view(R, steps, -1)   # [R, steps, Vd]
+        vocab = m.draft_vocab
+        state = m.head.init_state(R, h[:, 0]) if m.head is not None else None
+        groups = _sampling_groups(active)
+        u = uniforms([c.generator for c in active], steps, U.device)      # [R, steps]
+        exact = [i for i, c in enumerate(active) if c.exact]
+        toks = torch.empty(R, steps + 1, dtype=torch.long, device=U.device)
+        toks[:, 0] = m.prev_rows[torch.tensor([c.tokens[-1] for c in active], device=dev)]
+        pd = torch.empty(R, steps, vocab.numel(), device=U.device)
+        grammars = _GrammarMasks(active, vocab, U.device)
+        try:
+            for k in range(steps):
+                logits = U[:, k]
+                if self._markov is not None:
+                    logits = logits + self._markov(toks[:, k]).float()
+                elif m.head is not None:
+                    bias, _, state = m.head.step(h[:, k], toks[:, k], state)
+                    logits = logits + bias.float()
+                logits = grammars.mask(logits, k)
+                for params, rows in groups:
+                    p = probs_from_logits(logits[rows], params)
+                    toks[rows, k + 1] = argmax(p) if params.greedy else sample_rows(p, u=u[rows, k])
+                    pd[rows, k] = p
+                if exact:
+                    ex = torch.tensor(exact, device=U.device)
+                    toks[ex, k + 1] = race_sample(pd[ex, k], [active[i].params.seed for i in exact],
+                                                  [len(active[i].tokens) + k for i in exact], ids=vocab)
+                grammars.advance(toks[:, k + 1], k)
+        finally:
+            grammars.undo()
+        return toks, pd, grammars.ends
+
+    def _confidences(self, h: torch.Tensor, prev: torch.Tensor, active: list[DraftContext],
+                     steps: int) -> torch.Tensor:
+        """c_k [R, steps] from h_k and the token before draft k (``prev``, draft-vocabulary indices),
+        in one pass after sampling, calibrated per regime: sigmoid(z_k / T_k + b_k) with the greedy
+        regime's T, b for greedy requests; 1 without a confidence head."""
+        m = self.model
+        if m.confidence is None:
+            return torch.ones(len(active), steps, device=h.device)
+        e = m.head.w1(prev) if m.head is not None else None
+        greedy = torch.tensor([c.params.greedy for c in active], device=h.device)[:, None]
+        temps = torch.where(greedy, self.greedy_temps[:steps], self.temps[:steps])
+        shifts = torch.where(greedy, self.greedy_shifts[:steps], self.shifts[:steps])
+        return torch.sigmoid(m.confidence(h, e).float() / temps + shifts)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows of one drafter pass: context rows, then block rows."""
+
+    slot: torch.Tensor          # [rows] each row's cache slot
+    pos: torch.Tensor           # [rows] its position there
+    slots: list[int]            # per request of the call: its slot
+    starts: list[int]           # where its new context rows start in its slot
+    new: list[int]              # how many new context rows it has
+
+
+def _sampling_groups(active: list[DraftContext]) -> list[tuple[SamplingParams, slice | torch.Tensor]]:
+    """(settings, their rows) of the requests sharing sampling settings: one vectorised pass each."""
+    by_params: dict[tuple, list[int]] = {}
+    for i, c in enumerate(active):
+        by_params.setdefault((c.params.temperature, c.params.top_k, c.params.top_p), []).append(i)
+    return [(active[rows[0]].params, slice(None) if len(rows) == len(active) else torch.tensor(rows))
+            for rows in by_params.values()]
+
+
+class _GrammarMasks:
+    """Structured outputs in a drafted block: a request with a grammar samples each position from
+    the tokens the grammar allows after its drafts so far; where none of the draft vocabulary is
+    allowed (or the grammar has ended) its block ends. The grammars are set back (``undo``) before
+    the proposal is returned."""
+
+    def __init__(self, active: list[DraftContext], vocab: torch.Tensor, dev: torch.device):
+        self.items = [(i, c.grammar) for i, c in enumerate(active) if c.grammar is not None]
+        self.vocab, self.dev = vocab, dev
+        self.vocab_cpu = vocab.cpu() if self.items else None
+        self.pushed = {i: 0 for i, _ in self.items}
+        self.ends: dict[int, int] = {}      # request -> the length its block ends at
+        self.allowed: dict[int, torch.Tensor] = {}   # the full-vocabulary mask position k was sampled from
+
+    def mask(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Position k's logits [R, Vd], each grammar request's restricted to what it allows."""
+        if not self.items:
+            return logits
+        logits = logits.clone()
+        for i, g in self.items:
+            if i in self.ends:
+                continue
+            self.allowed[i] = g.allowed_now()
+            ok = self.allowed[i][self.vocab_cpu].to(self.dev)
+            if ok.any():
+                logits[i] = logits[i].masked_fill(~ok, float("-inf"))
+            else:
+                self.ends[i] = k
+        return logits
+
+    def advance(self, toks: torch.Tensor, k: int) -> None:
+        """Each grammar takes its request's draft at position k (``toks`` [R], draft-vocabulary indices)."""
+        for i, g in self.items:
+            if i not in self.ends:
+                if g.push(int(self.vocab[toks[i]]), self.allowed[i]):
+                    self.pushed[i] += 1
+                else:            # the grammar has ended: nothing after this token is drafted
+                    self.ends[i] = k + 1
+
+    def undo(self) -> None:
+        for i, g in self.items:
+            g.pop(self.pushed[i])

@@ -159,7 +159,7 @@ class Eagle3Drafter(DSparkDrafter):
         active = [(i, c) for i, c in enumerate(contexts) if c.num_draft > 0]
         V, vocab = self.config.vocab_size, m.draft_vocab
         for i, c in active:
-            slot = c.state["slot"]
+            slot = self._slot(c)
             assert self.cache is not None       # _ingest_and_first() allocated the slot
             base = self.cache.lengths[slot]
             steps = min(self.block_size, c.num_draft)

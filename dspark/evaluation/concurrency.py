@@ -54,7 +54,7 @@ def bench_policy(name: str, block: int, cost_table=None, learned: LearnedCosts |
 
 def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
                 max_new_tokens: int, params: SamplingParams, block_size: int,
-                padded: bool = False, label: str | None = None, cost_table=None, prefix_caching: bool = False):
+                padded: bool = False, label: str | None = None, prefix_caching: bool = False):
     """One policy's closed loop as a generator: it yields after every engine step and returns its
     result. Its clock counts only its own work (admissions, steps, collecting finished requests),
     so that loops advanced in turn (`interleave`) each see the time they used; a request's latency
@@ -62,7 +62,7 @@ def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: 
     max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 2
     engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
                     block_size=block_size, eos_ids=target.eos_token_ids, padded=padded,
-                    cost_table=cost_table, prefix_caching=prefix_caching)
+                    prefix_caching=prefix_caching)
     drafter.reset()
     queue = list(prompts)
     live: list[tuple[Request, float]] = []   # (request, clock at admission)
@@ -168,13 +168,7 @@ def run_concurrency_bench(args) -> int:
              if "auto" in bases.values() else None,
              "auto-fresh": LearnedCosts(key, block) if "auto-fresh" in bases.values() else None}
     learned = costs["auto"]
-    texts = []
-    for d in [x.strip() for x in args.datasets.split(",") if x.strip()]:
-        texts.extend(load_prompts(d))
-    if args.num_prompts > len(texts):
-        texts = (texts * (args.num_prompts // len(texts) + 1))
-    texts = texts[:args.num_prompts]
-    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
+    prompts = _bench_prompts(target, args.datasets, args.num_prompts)
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     results = []
     for c in levels:
@@ -186,7 +180,7 @@ def run_concurrency_bench(args) -> int:
                 table = None if base == "auto-fresh" or (base == "auto" and args.fresh_costs) else cost_table
                 policy, padded = bench_policy(name, block, table, costs.get(base), c)
                 loops.append(closed_loop(target, drafters[name], policy, prompts, c, args.max_new_tokens,
-                                         params, block, padded=padded, label=name, cost_table=table))
+                                         params, block, padded=padded, label=name))
             for name, res in zip(policies, interleave(loops)):
                 runs[name].append(res)
             if learned is not None:
@@ -201,6 +195,26 @@ def run_concurrency_bench(args) -> int:
                   + (f", set-up {res['setup_seconds']:.2f} s in {res['setup_steps']} measuring steps (counted)"
                      if res["setup_steps"] else ""),
                   file=sys.stderr)
+    print(_table(results))
+    if args.plot:
+        _pareto_plot(results, args.plot)
+    if args.json:
+        print(json.dumps({"drafter": drafter.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                          "results": results}))
+    return 0
+
+
+def _bench_prompts(target, datasets: str, n: int) -> list[list[int]]:
+    """n chat-templated prompts from the comma-separated benchmarks, in turn (repeated if fewer)."""
+    texts = []
+    for d in [x.strip() for x in datasets.split(",") if x.strip()]:
+        texts.extend(load_prompts(d))
+    if n > len(texts):
+        texts = (texts * (n // len(texts) + 1))
+    return [encode_prompt(target.tokenizer, t, chat=True) for t in texts[:n]]
+
+
+def _table(results: list[dict]) -> str:
     lines = ["| policy | concurrency | total tok/s | per-user tok/s | accept length | decision ms/step (% of step) "
              "| set-up s (steps) |", "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -208,13 +222,7 @@ def run_concurrency_bench(args) -> int:
                      f"{r['per_user_tokens_per_second']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['decision_ms_per_step']:.3f} ({100 * r['decision_share']:.2f}%) | "
                      f"{r['setup_seconds']:.2f} ({r['setup_steps']}) |")
-    print("\n".join(lines))
-    if args.plot:
-        _pareto_plot(results, args.plot)
-    if args.json:
-        print(json.dumps({"drafter": drafter.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
-                          "results": results}))
-    return 0
+    return "\n".join(lines)
 
 
 def _pareto_plot(results, path) -> None:

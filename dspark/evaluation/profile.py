@@ -91,10 +91,8 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
     when serving sampled requests)."""
     params = SamplingParams(temperature=temperature, seed=0)
     requests, verified, contexts = (sorted(set(a)) for a in (requests, verified, contexts))   # the table's axes
-    vocab = target.model.config.vocab_size
     grid, draft_grid = [], []
     prefills: list[tuple[int, float]] = []     # (prompt tokens, seconds) of each prefill step
-    max_v = max(verified)
     for ctx_len in contexts:
         per_ctx, draft_ctx = [], []
         base = []
@@ -102,41 +100,8 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
             seq = (p * (ctx_len // max(len(p), 1) + 1))[:ctx_len]
             base.append(seq)
         for R in requests:
-            row, draft_row = [], []
-            # one engine per (context, R): prefill once, then time steps at each verified length
-            per_v = repeats + 1
-            new_tokens = sum(per_v * (v + 1) for v in verified) + 2
-            exact = _ExactLength(drafter, vocab)
-            engine = Engine(target.model, exact, FixedPolicy(0), max_requests=R,
-                            max_len=ctx_len + new_tokens + max_v + 2, block_size=max_v,
-                            prefill_chunk=1 << 30)
-            reqs = [engine.add_request(base[i % len(base)], params, new_tokens, stop_ids=())
-                    for i in range(R)]
-            t = time.perf_counter()
-            engine.step()  # prefill every request in one forward
-            prefills.append((R * ctx_len, time.perf_counter() - t))
-            for v in verified:
-                engine.policy = FixedPolicy(v)
-                engine.step()  # warm-up at this shape
-            # the verified lengths in turn, one step each per repeat: a slow spell of the machine
-            # (it drifts by more than a verified token costs) then lands on every length alike
-            times: dict[int, list[float]] = {v: [] for v in verified}
-            drafting: dict[int, list[float]] = {v: [] for v in verified}
-            for _ in range(repeats):
-                for v in verified:
-                    engine.policy = FixedPolicy(v)
-                    exact.seconds = 0.0
-                    t = time.perf_counter()
-                    engine.step()
-                    times[v].append(time.perf_counter() - t)
-                    drafting[v].append(exact.seconds)
-            for v in verified:
-                row.append(statistics.median(times[v]))
-                draft_row.append(statistics.median(drafting[v]) if v else 0.0)
-                if progress:
-                    progress(ctx_len, R, v, row[-1])
-            for r in reqs:
-                engine.cancel(r)
+            row, draft_row, prefill = _time_load(target, drafter, base, R, verified, repeats, params, progress)
+            prefills.append(prefill)
             per_ctx.append(row)
             draft_ctx.append(draft_row)
         grid.append(per_ctx)
@@ -146,6 +111,47 @@ def profile(target, drafter: Drafter, prompts: list[list[int]], requests=(1, 2, 
     return CostTable(table_key_for(target, drafter), list(requests), list(verified), list(contexts), grid,
                      machine=f"{os.cpu_count()} cpus, {torch.get_num_threads()} threads", draft=draft_grid,
                      context_row=context_row, prefill=list(line_fit(prefills)))
+
+
+def _time_load(target, drafter: Drafter, base: list[list[int]], R: int, verified, repeats: int, params: SamplingParams,
+               progress=None) -> tuple[list[float], list[float], tuple[int, float]]:
+    """One load of R requests at the prompts' context: (median step seconds per verified length,
+    the drafter's share of them, (prompt tokens, seconds) of the prefill step). One engine:
+    prefilled once, then timed steps at each verified length."""
+    ctx_len, max_v = len(base[0]), max(verified)
+    per_v = repeats + 1
+    new_tokens = sum(per_v * (v + 1) for v in verified) + 2
+    exact = _ExactLength(drafter, target.model.config.vocab_size)
+    engine = Engine(target.model, exact, FixedPolicy(0), max_requests=R,
+                    max_len=ctx_len + new_tokens + max_v + 2, block_size=max_v, prefill_chunk=1 << 30)
+    reqs = [engine.add_request(base[i % len(base)], params, new_tokens, stop_ids=()) for i in range(R)]
+    t = time.perf_counter()
+    engine.step()  # prefill every request in one forward
+    prefill = (R * ctx_len, time.perf_counter() - t)
+    for v in verified:
+        engine.policy = FixedPolicy(v)
+        engine.step()  # warm-up at this shape
+    # the verified lengths in turn, one step each per repeat: a slow spell of the machine
+    # (it drifts by more than a verified token costs) then lands on every length alike
+    times: dict[int, list[float]] = {v: [] for v in verified}
+    drafting: dict[int, list[float]] = {v: [] for v in verified}
+    for _ in range(repeats):
+        for v in verified:
+            engine.policy = FixedPolicy(v)
+            exact.seconds = 0.0
+            t = time.perf_counter()
+            engine.step()
+            times[v].append(time.perf_counter() - t)
+            drafting[v].append(exact.seconds)
+    row, draft_row = [], []
+    for v in verified:
+        row.append(statistics.median(times[v]))
+        draft_row.append(statistics.median(drafting[v]) if v else 0.0)
+        if progress:
+            progress(ctx_len, R, v, row[-1])
+    for r in reqs:
+        engine.cancel(r)
+    return row, draft_row, prefill
 
 
 def line_fit(samples: list[tuple[int, float]]) -> tuple[float, float]:

@@ -212,10 +212,10 @@ def _local(args, messages, texts) -> list[dict]:
                                                        args.temperature, args.seed), args.prefix_caching)
             else:
                 # the engine's own loop seeds every request alike; the server's requests each get seed + i
-                policy, table = serving_policy(target, drafter, pname, c)
+                policy, _ = serving_policy(target, drafter, pname, c)
                 params = SamplingParams(temperature=args.temperature, seed=args.seed)
                 e = run_closed_loop(target, drafter, policy, ids, c, args.max_new_tokens, params, drafter.block_size,
-                                    cost_table=table, prefix_caching=args.prefix_caching)
+                                    prefix_caching=args.prefix_caching)
                 r = {k: e[k] for k in ("concurrency", "requests", "tokens", "wall_seconds",
                                        "total_tokens_per_second", "per_user_tokens_per_second")}
             r = {"system": system, "drafter": drafter.name, "policy": pname, **r}

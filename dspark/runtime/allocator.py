@@ -3,8 +3,8 @@
 Each decoding step allocates the same handful of large temporaries (logits and probabilities over
 the vocabulary: 8 rows x 49k tokens of fp32 is 1.5 MB). glibc serves allocations above its mmap
 threshold (128 KB at start) with fresh ``mmap`` pages and unmaps them when freed, so every step
-pays a page fault per 4 KB of every such tensor: on this project's 2-core Xeon the softmax of the
-verification block took 1.3 ms instead of 0.36 ms. Raising the mmap threshold to its maximum
+pays a page fault per 4 KB of every such tensor, which can take longer than the softmax that
+fills it. Raising the mmap threshold to its maximum
 (32 MB on 64-bit glibc) and keeping freed heap memory (trim threshold) makes those buffers reuse
 the same, already mapped, heap memory: what tcmalloc or jemalloc preloaded would do, without a
 preload. The process keeps up to the trim threshold of freed memory mapped; weights and caches

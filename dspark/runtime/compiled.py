@@ -9,9 +9,8 @@ pointwise work of a layer into a few C++ loops, takes the weights as frozen cons
 wrapper calls the kernels without Python between them (gpt-fast's compiled decoding step, on a
 CPU). For the products it measures, per weight shape, its own generated kernel (a micro-kernel on
 AMX tiles) against oneDNN's packed one (what the eager path runs, runtime/linear.py) and keeps the
-faster (max-autotune): a one-row product streams its weight once, and on the Intel Xeon with AMX
-inductor's kernel streams it about 1.5x as fast (measured in the commit that turned it on). On a
-CPU without AMX the measurement is among oneDNN's kernels alone (``gemm_backends``).
+faster (max-autotune): a one-row product streams its weight once, and on a CPU with AMX
+inductor's kernel streams it faster (docs/speed.md). On a CPU without AMX the measurement is among oneDNN's kernels alone (``gemm_backends``).
 
 Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
 and a block (a verification; the row count stays symbolic, as do the context length and the cache's
@@ -55,9 +54,8 @@ def gemm_backends(amx: bool) -> str:
     """The product kernels inductor may measure and choose from: its own C++ template beside
     oneDNN's only where the CPU has AMX tiles. Without them the template's micro-kernel widens bf16
     to fp32 vectors; timed alone, its weight in cache, it wins some shapes, but in a whole one-row
-    forward, every weight streaming from memory, it lost: on an AMD EPYC (Zen 5 class, AVX-512
-    BF16) the one-row graph ran at 0.79x the eager forward with it and 1.18x with oneDNN's kernels
-    alone (scripts/compiled_time.py, in the commit that made this choice)."""
+    forward, every weight streaming from memory, it lost to oneDNN's kernels alone on an AVX-512
+    BF16 CPU without AMX (docs/speed.md, scripts/compiled_time.py)."""
     return "CPP,ATEN" if amx else "ATEN"
 
 

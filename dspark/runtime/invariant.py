@@ -2,9 +2,9 @@
 alone and the same token verified inside a drafted block attend bit for bit alike, so that bf16
 greedy speculative decoding emits exactly what bf16 plain decoding emits (fp32 does without it).
 
-Why the default path is not invariant (torch 2.13 on the AMD EPYC VM, the attention's shapes): CPU
-fp32 batched products of 1 - 3 rows take another kernel than larger ones (up to 8e-6 apart in a
-score at context 300), and probabilities times values sum over the key count in blocks that depend
+Why the default path is not invariant (torch's CPU kernels at the attention's shapes): CPU fp32
+batched products of very few rows take another kernel than larger ones (their scores differ in
+the last bits), and probabilities times values sum over the key count in blocks that depend
 on it, so a row's product over exactly its keys and over a longer, masked span differ in the last
 bits; bf16 rounding turns such differences into flipped near-ties. Here a query block is padded
 with zero rows to ``MIN_QUERY_ROWS``, and each row meets the values over its key count rounded up

@@ -6,13 +6,12 @@ head, the trained drafters' serving weights) are packed once, at load time, into
 layout, the layout torch's own compiler uses for frozen CPU linears
 (``mkldnn::_reorder_linear_weight`` / ``_linear_pointwise``). A packed product gives exactly the
 bits of ``F.linear`` (checked once per process on a probe before anything is packed, else nothing
-is packed) and, on the 2-core AMD EPYC VM of the README, runs about twice as fast from 1 to 8 rows
-and no slower up to 256 (``scripts/forward_time.py --against`` for whole forwards). A weight shape
+is packed) and runs faster for a few rows and no slower for many (docs/speed.md;
+``scripts/forward_time.py --against`` for whole forwards). A weight shape
 keeps a row's bits up to some row count (``rows_alike_limit``, checked once per shape on random
 inputs): the batch-invariant mode multiplies its rows in chunks no larger than that, so a row gets
-the same bits whatever the batch, and other products take any number of rows at once. (On the
-Intel Xeon VM with AMX, oneDNN switches kernels from 33 rows on; on the AMD EPYC VM no count up to
-the 160 checked differs.)
+the same bits whatever the batch, and other products take any number of rows at once (where
+oneDNN switches kernels depends on the CPU's instruction sets, hence the check on the machine).
 
 fp32 weights are packed as well where oneDNN packs them (``fp32_packing_available``): a target's
 layers (``pack(w, fp32=True)``) always, since whole forwards run faster with them packed at every
@@ -25,10 +24,10 @@ timed once per shape, packed products of 8 and of 16 rows run faster than the de
 
 Where packing is not available (another device, a torch without oneDNN, a probe that disagrees,
 ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
-path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, as measured faster on
-the 2-core Xeon VM; a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is
-faster than ``F.linear`` (``transposed_faster``: on a CPU with AVX2 alone, several times for a large
-weight); ``F.linear`` for everything else.
+path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, the faster layouts
+measured (docs/speed.md); a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is
+faster than ``F.linear`` (``transposed_faster``: it is on CPUs with AVX2 alone, for large weights);
+``F.linear`` for everything else.
 """
 
 from __future__ import annotations
@@ -214,7 +213,7 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, rows_alike
 
     ``rows_alike`` (batch-invariant mode): a row gets the same bits whatever the number of rows
     beside it. oneDNN's one-row kernel rounds some inputs differently from its many-row one (rows
-    with subnormal values through the 1536-wide down projection, on the AMD EPYC VM), so with a
+    with subnormal values through a wide down projection, on some CPUs), so with a
     packed weight one row runs as the first of two, and rows run in chunks of at most the weight's
     ``alike`` rows (where a larger block takes another kernel). Kernels also follow the input's
     layout (with the ISA capped at AVX2, a column-major block, as the transposed view the dense

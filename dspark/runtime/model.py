@@ -199,8 +199,9 @@ class Decoder:
                           c.final_logit_softcap, self.layer_shape, self.kv_dtype, self.device, self.dtype,
                           self.batch_invariant, any(w is not None for w in c.sliding_windows) or len(self.ropes) != 1)
 
-    def use_graphs(self, graphs: CompiledForward) -> None:
-        """Run one request's short segments through these graphs from the next forward on."""
+    def use_graphs(self, graphs: CompiledForward | None) -> None:
+        """Run one request's short segments through these graphs from the next forward on (None:
+        eagerly again)."""
         self._compiled = graphs
 
     @property

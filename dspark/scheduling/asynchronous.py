@@ -69,7 +69,7 @@ class AsyncPolicy(LoadAwarePolicy[LoadAwareState]):
         best_k, best, tau = 0, R / self.cost.seconds(R, 0, ctx, 0), float(R)
         plain, top = best, 0.0
         held, drafting, drafted, rows = [0] * R, 0, 0, 0
-        backlog = [self.backlog(r, 1) for r in requests]
+        backlog = [r.backlog(1) for r in requests]
         for k, (a, i) in enumerate(cands, 1):       # full search: no early stop needed
             tau += a
             if not held[i]:

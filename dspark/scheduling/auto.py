@@ -102,7 +102,7 @@ class AutoPolicy(Policy):
             want = [0] * len(requests)
             # n = 0 for a plain step; else the n requests with the least for the call to catch up on
             if n:
-                for i in sorted(served, key=lambda i: self.inner.backlog(requests[i], depth))[:n]:
+                for i in sorted(served, key=lambda i: requests[i].backlog(depth))[:n]:
                     want[i] = depth
             return want
         return out if out is not None else self.inner.draft_lengths(requests, block_size, free)

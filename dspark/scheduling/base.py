@@ -18,6 +18,23 @@ from typing import Generic, TypeVar
 
 
 @dataclass(frozen=True)
+class RequestView:
+    """A decoding request as a policy sees it, made by the engine (and the simulator) each step."""
+
+    id: int
+    context: int            # tokens of its context: the prompt and the output so far
+    pending_rows: int       # target feature rows handed to its draft context that the drafter has not
+                            # taken in yet (its prompt's before its first call; else the positions
+                            # verified since it last drafted)
+    room: int               # tokens it may still emit
+
+    def backlog(self, depth: int) -> int:
+        """Context rows its next drafter call takes in beyond a steady round's (the anchor and
+        ``depth`` drafts)."""
+        return max(0, self.pending_rows - 1 - depth)
+
+
+@dataclass(frozen=True)
 class RequestOutcome:
     """One decoding request's part of a step, as the target verified it."""
 
@@ -38,7 +55,9 @@ class RequestOutcome:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What the engine tells the policy after each step."""
+    """One engine step, frozen once it has run: its rows, the policy's decisions and what the target
+    made of them, and its timings. The policy observes it, and so does every listener of the
+    engine's public hook (``Engine.add_step_listener``)."""
 
     requests: tuple[RequestOutcome, ...]   # the decoding requests whose blocks were verified
     seconds: float                         # the step's wall time
@@ -55,6 +74,9 @@ class StepOutcome:
     # verified at its last round): a request's first call takes in its prompt, one that has not
     # drafted for a while the positions verified since
     draft_rows: int = 0
+    index: int = 0                  # the engine's step count at this step
+    prefill_tokens: int = 0         # prompt tokens it prefilled
+    policy_seconds: float = 0.0     # the policy's own decisions (draft and verify lengths)
 
 
 S = TypeVar("S")
@@ -95,18 +117,19 @@ class Policy:
     # without a forward (Drafter.free_lengths)
     uses_free_drafts = False
 
-    def draft_lengths(self, requests, block_size: int, free: Sequence[int] | None = None) -> list[int]:
+    def draft_lengths(self, requests: Sequence[RequestView], block_size: int,
+                      free: Sequence[int] | None = None) -> list[int]:
         """Tokens to draft per request (before clipping to what each request may still emit).
         ``free``: per request, the tokens a lookup could propose at no cost (``uses_free_drafts``
         policies only; None = none)."""
         return [block_size] * len(requests)
 
-    def wants_free(self, requests) -> bool:
+    def wants_free(self, requests: Sequence[RequestView]) -> bool:
         """Whether the engine asks the drafter this step what each request could be proposed for
         nothing (``free`` in ``draft_lengths``): a lookup per request costs a step time too."""
         return self.uses_free_drafts
 
-    def verify_lengths(self, requests, proposals) -> list[int]:
+    def verify_lengths(self, requests: Sequence[RequestView], proposals) -> list[int]:
         return [len(p) for p in proposals]
 
     def observe(self, outcome: StepOutcome) -> None:

@@ -242,9 +242,9 @@ class CostModel:
     - pace, the machine's speed now: measured / table over the plain steps of the last ``window``
       observed steps (1 before any plain step), against the table in use: where the table is
       replaced (the auto policy rebuilds it from what it learns), a ratio to the old one would
-      misprice every step by the old table's error (at a cold start, a plain step of 32 requests
-      priced from prompt prefills at 300 ms, measured 39: every price an eighth of the truth
-      until eight plain steps pass). It scales every price alike, so it never changes a decision
+      misprice every step by the old table's error (at a cold start, a table priced from prompt
+      prefills can be several times off, and every price with it until the window has passed).
+      It scales every price alike, so it never changes a decision
       between drafting and not, but rho is learned from prices divided by it;
     - rho, what drafting really costs relative to the table: from drafting steps, their time over
       the pace, less the plain part, against the table's drafting part (ratio of exponential

@@ -32,9 +32,6 @@ class LoadAwareState:
     drafts: int = 0
     hits: list[int] = field(default_factory=list)
     width: int = 0              # the longest drafted block verified so far
-    # the target features in its draft context counted so far, and their rows (see ``backlog``)
-    features_seen: int = 0
-    rows: int = 0
 
 
 St = TypeVar("St", bound=LoadAwareState)
@@ -42,7 +39,7 @@ St = TypeVar("St", bound=LoadAwareState)
 
 def context_length(requests) -> int:
     """The requests' mean context (prompt and output so far)."""
-    return int(sum(len(r.ctx.tokens) for r in requests) / max(1, len(requests)))
+    return int(sum(r.context for r in requests) / max(1, len(requests)))
 
 
 def drafted(proposals) -> tuple[int, float]:
@@ -164,18 +161,6 @@ class LoadAwarePolicy(Policy, Generic[St]):
             if n > 0:
                 self.states[r.id].lengths.append(n)
 
-    def backlog(self, r, depth: int) -> int:
-        """Context rows request r would hand the drafter at its next call beyond a steady round's (the
-        anchor and ``depth`` drafts): the positions verified since it last drafted (the target
-        features waiting in its draft context, which the drafter empties when it takes them in)."""
-        st = self.states[r.id]
-        feats = r.ctx.features
-        if len(feats) < st.features_seen:          # the drafter took them in: count afresh
-            st.features_seen, st.rows = 0, 0
-        st.rows += sum(f.shape[0] for f in feats[st.features_seen:])
-        st.features_seen = len(feats)
-        return max(0, st.rows - 1 - depth)
-
     # ------------------------------------------------------------------ shared decisions
     def _refresh(self, requests, block_size) -> int:
         cap = self.block or block_size
@@ -248,7 +233,7 @@ class LoadAwarePolicy(Policy, Generic[St]):
 
     def _drafting(self, requests, want: list[int]) -> list[int]:
         """Note the catch-up rows of the requests about to draft (priced with the step); returns want."""
-        self._rows = sum(self.backlog(r, w) for r, w in zip(requests, want) if w)
+        self._rows = sum(r.backlog(w) for r, w in zip(requests, want) if w)
         return want
 
     # ------------------------------------------------------------------ probes
@@ -258,7 +243,7 @@ class LoadAwarePolicy(Policy, Generic[St]):
         if self.cost.table is None:
             return self.probe_every
         R = len(requests)
-        gap = self.budget_gap(requests, 1, self.backlog(requests[self._probes % R], 1) if R else 0, self.probe_scale)
+        gap = self.budget_gap(requests, 1, requests[self._probes % R].backlog(1) if R else 0, self.probe_scale)
         # what probes are for is to notice that drafting pays again; the further the last search
         # found it from paying, the less a probe's news can change that: the gap stretches as the
         # best drafting step's tokens/s falls from plain's to 80 % of it, at most ``probe_far`` x

@@ -171,7 +171,7 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
         w = np.where(pos[None, :] < np.arange(0, cap + 1)[:, None], weights[None, :], 0.0)
         extra = np.concatenate([np.zeros((cap + 1, 1)), np.cumsum(w, axis=1)], axis=1)
         tau = R + np.concatenate([np.zeros((cap + 1, 1)), np.cumsum(w * vals[None, :], axis=1)], axis=1)
-        backlog = [self.backlog(r, 0) for r in drafting]
+        backlog = [r.backlog(0) for r in drafting]
         # catch-up rows are taken in by a call only: none in row 0
         rows = [sum(max(0, b - d) for b in backlog) if d else 0 for d in range(0, cap + 1)]
         theta = tau / self.cost.seconds_many(R, extra, ctx, list(range(0, cap + 1)), rows, drafting=n)

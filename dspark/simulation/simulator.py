@@ -23,13 +23,13 @@ from __future__ import annotations
 import heapq
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..drafters.base import Proposal
-from ..scheduling.base import Policy, RequestOutcome, StepOutcome
+from ..scheduling.base import Policy, RequestOutcome, RequestView, StepOutcome
 from .acceptance import AcceptanceModel
 from .costs import StepCosts, StepShape
 
@@ -43,48 +43,19 @@ class Job:
     benchmark: str = ""   # whose acceptance statistics it draws from
 
 
-class _Tokens:
-    """A context's tokens as the policies read them: only their number."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-
-class _Rows:
-    """A chunk of target features in a draft context: only its rows (``shape[0]``)."""
-
-    __slots__ = ("shape",)
-
-    def __init__(self, n: int):
-        self.shape = (n,)
-
-
-@dataclass
-class SimContext:
-    """What a policy reads of a request's draft context (drafters.base.DraftContext)."""
-
-    tokens: _Tokens
-    features: list
-
-
 @dataclass
 class SimRequest:
-    """A request in flight, as the engine's Request for the policies (``id``, ``ctx``)."""
+    """A request in flight: what the engine's Request holds, in numbers."""
 
     id: int
     job: Job
     arrival: float
     slot: int = -1
-    ctx: SimContext | None = None        # None while its prompt is prefilled
+    decoding: bool = False               # its prompt is prefilled
     prefilled: int = 0
     output: int = 0
+    pending_rows: int = 0                # feature rows its draft context holds, not yet taken in
     round_rows: int = 0                  # feature rows its last verified round added
-    prompt_features: list = field(default_factory=list)
     admitted: float = 0.0
     first_token: float | None = None
     ended: float | None = None
@@ -95,6 +66,14 @@ class SimRequest:
     @property
     def max_new_tokens(self) -> int:
         return self.job.output
+
+    @property
+    def context(self) -> int:
+        """Tokens of its context (the engine's DraftContext.tokens: the prompt and the output)."""
+        return self.job.prompt + self.output
+
+    def view(self) -> RequestView:
+        return RequestView(self.id, self.context, self.pending_rows, self.job.output - self.output)
 
 
 _ZEROS = torch.zeros(64, dtype=torch.long)
@@ -156,8 +135,7 @@ class Simulator:
             r.slot = self._free.pop()
             r.admitted = self.clock
             if not self.prefill:
-                r.prefilled, r.output, r.first_token = r.job.prompt, 1, self.clock
-                r.ctx = SimContext(_Tokens(r.job.prompt + 1), [])
+                r.prefilled, r.output, r.first_token, r.decoding = r.job.prompt, 1, self.clock, True
             self.running.append(r)
 
     def _release(self, r: SimRequest) -> None:
@@ -182,35 +160,73 @@ class Simulator:
             return 0.0
         self.steps += 1
         self._policy_time = 0.0
-        decode = sorted((r for r in self.running if r.ctx is not None), key=lambda r: r.slot)
-        prefill = [r for r in self.running if r.ctx is None]
-        proposals: list[Proposal] = [Proposal.empty() for _ in decode]
-        accepted_if_verified = [0] * len(decode)
-        want: list[int] = []
-        drafted = [0] * len(decode)
-        drafting = draft_rows = 0
-        if decode:
-            free = [0] * len(decode) if self._decide(self.policy.wants_free, decode) else None
-            want = self._decide(self.policy.draft_lengths, decode, self.block, free)
-            for i, (r, w) in enumerate(zip(decode, want)):
-                n = max(0, min(w, r.job.output - r.output - 1))
-                if not n:
-                    continue
-                assert r.ctx is not None
-                draft_rows += max(0, sum(f.shape[0] for f in r.ctx.features) - r.round_rows)
-                r.ctx.features.clear()        # the drafter takes its context rows in
-                conf, acc = (self.draws(r, n) if self.draws is not None
-                             else self.acceptance.law(r.job.benchmark).draw(n, self.rng))
-                proposals[i] = Proposal(_ZEROS[:n] if n <= len(_ZEROS) else torch.zeros(n, dtype=torch.long),
-                                        confidences=None if conf is None else torch.tensor(conf, dtype=torch.float64))
-                accepted_if_verified[i] = acc
-                drafted[i] = n
-                drafting += 1
-            lengths = self._decide(self.policy.verify_lengths, decode, proposals)
-            proposals = [p.truncate(max(0, n)) for p, n in zip(proposals, lengths)]
-        # the ragged batch: every decoding block, then prompt chunks
-        chunk = min(self.prefill_chunk, self.decoding_chunk) if decode else self.prefill_chunk
-        budget = max(chunk, 1)
+        decode = sorted((r for r in self.running if r.decoding), key=lambda r: r.slot)
+        prefill = [r for r in self.running if not r.decoding]
+        d = self._draft(decode)
+        chunks, prefill_tokens, attended = self._chunks(prefill, bool(decode))
+        blocks = tuple(len(p) + 1 for p in d.proposals)
+        depth = sum(d.drafted) / max(1, d.drafting)
+        shape = StepShape(blocks, tuple(r.context for r in decode), prefill_tokens,
+                          attended, d.drafting, depth, d.draft_rows)
+        forward = self.costs.forward_seconds(shape)
+        draft = self.costs.draft_seconds(shape)
+        outcomes, ended = self._verified(decode, d)
+        for r, n in chunks:
+            r.pending_rows += n
+            if r.prefilled == r.job.prompt:
+                r.decoding, r.output = True, 1
+                if r.output >= r.job.output:
+                    ended.append(r)
+        spent = self._policy_time
+        seconds = forward + draft + (spent if self.decisions else 0.0)
+        self.clock += seconds
+        for r, _ in chunks:
+            if r.decoding and r.first_token is None:
+                r.first_token = self.clock
+        for r in ended:
+            self._release(r)
+        outcome = StepOutcome(tuple(outcomes), seconds, bool(decode) and not chunks, tuple(self._left),
+                              forward_rows=sum(blocks) + prefill_tokens, forward_seconds=forward,
+                              draft_seconds=draft, draft_rows=d.draft_rows, index=self.steps,
+                              prefill_tokens=prefill_tokens, policy_seconds=spent)
+        self._left = []
+        self._observe(outcome, spent)
+        if self.records is not None:
+            self.records.append(StepRecord(tuple(r.id for r in decode), tuple(d.want),
+                                           tuple(len(p) for p in d.proposals),
+                                           tuple(o.accepted for o in outcomes), seconds))
+        return seconds
+
+    def _draft(self, decode: list[SimRequest]) -> _Drafted:
+        """The policy's draft lengths, the simulated proposals (their confidences and how many
+        drafts the target would accept), the policy's verification lengths."""
+        d = _Drafted([Proposal.empty() for _ in decode], [0] * len(decode), [], [0] * len(decode))
+        if not decode:
+            return d
+        views = [r.view() for r in decode]
+        free = [0] * len(decode) if self._decide(self.policy.wants_free, views) else None
+        d.want = self._decide(self.policy.draft_lengths, views, self.block, free)
+        for i, (r, w) in enumerate(zip(decode, d.want)):
+            n = max(0, min(w, r.job.output - r.output - 1))
+            if not n:
+                continue
+            d.draft_rows += max(0, r.pending_rows - r.round_rows)
+            r.pending_rows = 0            # the drafter takes its context rows in
+            conf, acc = (self.draws(r, n) if self.draws is not None
+                         else self.acceptance.law(r.job.benchmark).draw(n, self.rng))
+            d.proposals[i] = Proposal(_ZEROS[:n] if n <= len(_ZEROS) else torch.zeros(n, dtype=torch.long),
+                                      confidences=None if conf is None else torch.tensor(conf, dtype=torch.float64))
+            d.accepted[i] = acc
+            d.drafted[i] = n
+            d.drafting += 1
+        lengths = self._decide(self.policy.verify_lengths, views, d.proposals)
+        d.proposals = [p.truncate(max(0, n)) for p, n in zip(d.proposals, lengths)]
+        return d
+
+    def _chunks(self, prefill: list[SimRequest], decoding: bool) -> tuple[list[tuple[SimRequest, int]], int, int]:
+        """The prompt chunks of the ragged batch after the decoding blocks: ((request, tokens) per
+        chunk, prompt tokens in all, query-key pairs their attention reads)."""
+        budget = max(min(self.prefill_chunk, self.decoding_chunk) if decoding else self.prefill_chunk, 1)
         chunks: list[tuple[SimRequest, int]] = []
         prefill_tokens = attended = 0
         for r in prefill:
@@ -222,59 +238,47 @@ class Simulator:
             budget -= n
             prefill_tokens += n
             chunks.append((r, n))
-        blocks = tuple(len(p) + 1 for p in proposals)
-        depth = sum(drafted) / max(1, drafting)
-        shape = StepShape(blocks, tuple(len(r.ctx.tokens) for r in decode if r.ctx is not None), prefill_tokens,
-                          attended, drafting, depth, draft_rows)
-        forward = self.costs.forward_seconds(shape)
-        draft = self.costs.draft_seconds(shape)
-        # verification: each block emits its accepted drafts and the next token
+        return chunks, prefill_tokens, attended
+
+    def _verified(self, decode: list[SimRequest], d: _Drafted) -> tuple[list[RequestOutcome], list[SimRequest]]:
+        """Each block emits its accepted drafts and the next token: (the outcomes, the requests ended)."""
         outcomes, ended = [], []
-        for i, (r, p) in enumerate(zip(decode, proposals)):
-            assert r.ctx is not None
-            n = min(len(p), accepted_if_verified[i])
+        for i, (r, p) in enumerate(zip(decode, d.proposals)):
+            n = min(len(p), d.accepted[i])
             emit = min(n + 1, r.job.output - r.output)
             r.output += emit
-            r.ctx.tokens.n += emit
-            r.ctx.features.append(_Rows(n + 1))
+            r.pending_rows += n + 1
             r.round_rows = n + 1
             r.rounds += 1
             if len(p):
                 r.drafted += len(p)
                 r.accepted += n
-            outcomes.append(RequestOutcome(r.id, drafted[i], len(p), n))
+            outcomes.append(RequestOutcome(r.id, d.drafted[i], len(p), n))
             if r.output >= r.job.output:
                 ended.append(r)
-        for r, n in chunks:
-            r.prompt_features.append(_Rows(n))
-            if r.prefilled == r.job.prompt:
-                r.ctx = SimContext(_Tokens(r.job.prompt + 1), r.prompt_features)
-                r.output = 1
-                if r.output >= r.job.output:
-                    ended.append(r)
-        spent = self._policy_time
-        seconds = forward + draft + (spent if self.decisions else 0.0)
-        self.clock += seconds
-        for r, _ in chunks:
-            if r.ctx is not None and r.first_token is None:
-                r.first_token = self.clock
-        for r in ended:
-            self._release(r)
-        outcome = StepOutcome(tuple(outcomes), seconds, bool(decode) and not chunks, tuple(self._left),
-                              forward_rows=sum(blocks) + prefill_tokens, forward_seconds=forward,
-                              draft_seconds=draft, draft_rows=draft_rows)
-        self._left = []
+        return outcomes, ended
+
+    def _observe(self, outcome: StepOutcome, spent: float) -> None:
+        """The policy observes the step; its time counts on the clock with ``decisions``."""
         t = time.perf_counter()
         self.policy.observe(outcome)
         observe = time.perf_counter() - t
         if self.decisions:
             self.clock += observe
         self.decision_seconds += spent + observe
-        if self.records is not None:
-            self.records.append(StepRecord(tuple(r.id for r in decode), tuple(want),
-                                           tuple(len(p) for p in proposals),
-                                           tuple(o.accepted for o in outcomes), seconds))
-        return seconds
+
+
+@dataclass
+class _Drafted:
+    """A simulated step's drafting: per decoding request its block (as verified), how many of its
+    drafts the target would accept, the length the policy asked for, and how many it drafted."""
+
+    proposals: list[Proposal]
+    accepted: list[int]
+    want: list[int]
+    drafted: list[int]
+    drafting: int = 0           # requests the drafter's call served
+    draft_rows: int = 0         # catch-up context rows that call took in
 
 
 def summary(requests: list[SimRequest], wall: float) -> dict:

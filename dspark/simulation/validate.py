@@ -55,19 +55,69 @@ def _workload(target, datasets: list[str], n: int) -> tuple[list[list[int]], lis
     return ids, labels
 
 
+def _measure_acceptance(target, drafter, prompts, labels, datasets, new_tokens: int, block: int, args):
+    """The drafter's acceptance and confidences on the workload's prompts, per benchmark (what
+    `dspark eval` records), and each prompt's output length."""
+    rows, outputs = [], [0] * len(prompts)
+    for d in datasets:
+        idx = [i for i, lab in enumerate(labels) if lab == d]
+        if not idx:
+            continue
+        bins = ConfidenceBins(block)
+        per = run_drafter(target, drafter, [prompts[i] for i in idx], max_new_tokens=new_tokens,
+                          temperature=args.temperature, seed=args.seed, block=block, bins=bins)
+        for i, p in zip(idx, per):
+            outputs[i] = p["tokens"]
+        row = {"drafter": drafter.name, "benchmark": d, **summarize(per, block)}
+        if bins.to_json() is not None:
+            row["confidence_bins"] = bins.to_json()
+        rows.append(row)
+    return AcceptanceModel.from_eval({"results": rows}, source="the workload's prompts"), outputs
+
+
+def _policies(names: str | None) -> list[str]:
+    """The policies --validate compares (plain, fixed and auto by default), checked."""
+    policies = [p.strip() for p in (names or "plain,fixed,auto").split(",") if p.strip()]
+    for p in policies:
+        if p not in ("plain", "mtp1", "fixed", "auto") and not p.startswith("threshold"):
+            raise UsageError(f"--validate compares plain, mtp1, fixed, threshold-X and auto, not {p!r}")
+    return policies
+
+
+def say(msg: str) -> None:
+    """A line of progress on stderr, with the time."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _point(name: str, c: int, m: dict, s: dict, say) -> dict:
+    """A policy at a concurrency: measured (m) against simulated (s), and their relative errors."""
+    keys = ("total_tokens_per_second", "per_user_tokens_per_second", "accept_length")
+    say(f"   {name:>6} at {c:>3}: total {m['total_tokens_per_second']:.1f} measured, "
+        f"{s['total_tokens_per_second']:.1f} simulated; per user {m['per_user_tokens_per_second']:.1f} / "
+        f"{s['per_user_tokens_per_second']:.1f}; accept length {m['accept_length']:.2f} / {s['accept_length']:.2f}")
+    return {"policy": name, "concurrency": c, "measured": {k: m[k] for k in keys},
+            "simulated": {k: s[k] for k in keys},
+            "relative_error": {k: abs(s[k] - m[k]) / m[k] for k in keys[:2]}}
+
+
+def _table(points: list[dict]) -> str:
+    lines = ["| policy | concurrency | total tok/s measured | simulated | error | per-user measured | simulated | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        m, s, e = p["measured"], p["simulated"], p["relative_error"]
+        lines.append(f"| {p['policy']} | {p['concurrency']} | {m['total_tokens_per_second']:.1f} | "
+                     f"{s['total_tokens_per_second']:.1f} | {100 * e['total_tokens_per_second']:.1f} % | "
+                     f"{m['per_user_tokens_per_second']:.1f} | {s['per_user_tokens_per_second']:.1f} | "
+                     f"{100 * e['per_user_tokens_per_second']:.1f} % |")
+    return "\n".join(lines)
+
+
 def run_validation(args) -> int:
-    policies = [p.strip() for p in (args.policies or "plain,fixed,auto").split(",") if p.strip()]
+    policies = _policies(args.policies)
     levels = args.concurrency or [1, 4, 16, 32]
     new_tokens = args.output_tokens or 64
     n = args.num_prompts or 32
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    for p in policies:
-        if p not in ("plain", "mtp1", "fixed", "auto") and not p.startswith("threshold"):
-            raise UsageError(f"--validate compares plain, mtp1, fixed, threshold-X and auto, not {p!r}")
-
-    def say(msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
     target = target_from_args(args)
     drafters = {name: load_drafter(args.drafter, target) for name in policies}
     drafter = drafters[policies[0]]
@@ -89,21 +139,7 @@ def run_validation(args) -> int:
 
     say(f"1/3 the drafter's acceptance and confidences on the workload's prompts ({target.name}, {drafter.name}, "
         f"{torch.get_num_threads()} threads)")
-    rows, outputs = [], [0] * len(prompts)
-    for d in datasets:
-        idx = [i for i, lab in enumerate(labels) if lab == d]
-        if not idx:
-            continue
-        bins = ConfidenceBins(block)
-        per = run_drafter(target, drafter, [prompts[i] for i in idx], max_new_tokens=new_tokens,
-                          temperature=args.temperature, seed=args.seed, block=block, bins=bins)
-        for i, p in zip(idx, per):
-            outputs[i] = p["tokens"]
-        row = {"drafter": drafter.name, "benchmark": d, **summarize(per, block)}
-        if bins.to_json() is not None:
-            row["confidence_bins"] = bins.to_json()
-        rows.append(row)
-    acceptance = AcceptanceModel.from_eval({"results": rows}, source="the workload's prompts")
+    acceptance, outputs = _measure_acceptance(target, drafter, prompts, labels, datasets, new_tokens, block, args)
     jobs = [Job(len(p), max(1, o), lab) for p, o, lab in zip(prompts, outputs, labels)]
 
     points, tables = [], []
@@ -117,29 +153,12 @@ def run_validation(args) -> int:
         for name in policies:
             policy, _ = bench_policy(name, block, table, None, c)
             loops.append(closed_loop(target, drafters[name], policy, prompts, c, new_tokens, params, block,
-                                     label=name, cost_table=table))
+                                     label=name))
         measured = interleave(loops, seed=args.seed)
         for name, m in zip(policies, measured):
-            s = scen.run(name, c, num_requests=len(jobs), max_requests=c)
-            err = {k: abs(s[k] - m[k]) / m[k] for k in ("total_tokens_per_second", "per_user_tokens_per_second")}
-            points.append({"policy": name, "concurrency": c,
-                           "measured": {k: m[k] for k in ("total_tokens_per_second", "per_user_tokens_per_second",
-                                                          "accept_length")},
-                           "simulated": {k: s[k] for k in ("total_tokens_per_second", "per_user_tokens_per_second",
-                                                           "accept_length")},
-                           "relative_error": err})
-            say(f"   {name:>6} at {c:>3}: total {m['total_tokens_per_second']:.1f} measured, "
-                f"{s['total_tokens_per_second']:.1f} simulated; per user {m['per_user_tokens_per_second']:.1f} / "
-                f"{s['per_user_tokens_per_second']:.1f}; accept length {m['accept_length']:.2f} / {s['accept_length']:.2f}")
+            points.append(_point(name, c, m, scen.run(name, c, num_requests=len(jobs), max_requests=c), say))
     say("3/3 done")
-    print("| policy | concurrency | total tok/s measured | simulated | error | per-user measured | simulated | error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for p in points:
-        m, s, e = p["measured"], p["simulated"], p["relative_error"]
-        print(f"| {p['policy']} | {p['concurrency']} | {m['total_tokens_per_second']:.1f} | "
-              f"{s['total_tokens_per_second']:.1f} | {100 * e['total_tokens_per_second']:.1f} % | "
-              f"{m['per_user_tokens_per_second']:.1f} | {s['per_user_tokens_per_second']:.1f} | "
-              f"{100 * e['per_user_tokens_per_second']:.1f} % |")
+    print(_table(points))
     worst = max(max(p["relative_error"].values()) for p in points)
     print(f"max relative error {100 * worst:.1f} % over {2 * len(points)} figures", file=sys.stderr)
     print(json.dumps({"max_relative_error": worst, "target": target.name, "drafter": drafter.name,

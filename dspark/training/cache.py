@@ -66,6 +66,64 @@ def _write_index(folder: Path, index: dict) -> None:
 
 
 @torch.inference_mode()
+def _target_rows(model, kv, batch: list, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the batch's sequences (each in a cache slot of its own): the chosen
+    layers' features [tokens, m*d] and the last hidden state [tokens, d], in bf16."""
+    ids, segs = [], []
+    for _rid, toks, _mask in batch:
+        slot = kv.allocate()
+        ids.extend(toks)
+        segs.append((slot, len(toks)))
+    o = model(torch.tensor(ids), segs, kv, feature_layers=tuple(layer_ids), logits_rows=None)
+    for slot, _ in segs:
+        kv.free(slot)
+    return torch.cat(o.features, -1).to(torch.bfloat16), o.last_hidden.to(torch.bfloat16)
+
+
+class _ShardWriter:
+    """Sequences buffered into shards: each written whole (a hidden folder renamed into place, each
+    file's SHA-256 in the index), then listed in the index, which is rewritten at once."""
+
+    def __init__(self, out: Path, index: dict):
+        self.out, self.index = out, index
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf: dict[str, list] = {f: [] for f in FILES}
+        self.seqs: list[tuple[int, int, str]] = []     # (offset in the shard, tokens, row id)
+        self.tokens = 0
+
+    def add(self, batch: list, feats: torch.Tensor, hidden: torch.Tensor) -> None:
+        at = 0
+        for rid, toks, mask in batch:
+            n = len(toks)
+            self.buf["features.npy"].append(feats[at:at + n].view(torch.uint16).cpu().numpy())
+            self.buf["hidden.npy"].append(hidden[at:at + n].view(torch.uint16).cpu().numpy())
+            self.buf["ids.npy"].append(np.asarray(toks, dtype=np.int32))
+            self.buf["loss_mask.npy"].append(np.asarray(mask, dtype=np.uint8))
+            self.seqs.append((self.tokens, n, rid))
+            self.tokens += n
+            at += n
+
+    def flush(self) -> None:
+        if not self.seqs:
+            return
+        index = self.index
+        name = f"shard-{len(index['shards']):05d}"
+        tmp = self.out / f".{name}"
+        tmp.mkdir()
+        sums = {}
+        for f in FILES:
+            np.save(tmp / f, np.concatenate(self.buf[f]))
+            sums[f] = sha256_file(tmp / f)
+        os.replace(tmp, self.out / name)
+        shard_no = len(index["shards"])
+        index["shards"].append({"name": name, "tokens": self.tokens, "sha256": sums})
+        index["sequences"].extend([shard_no, off, n, rid] for off, n, rid in self.seqs)
+        _write_index(self.out, index)
+        self._reset()
+
+
 def build_cache(rows: list[dict], target, out_dir, layer_ids: list[int], *, shard_tokens: int = 400_000,
                 batch_tokens: int = 4096, max_len: int = 1024, progress: bool = True, log=print) -> dict:
     """Run the target over every regenerated row and store features, last hidden, ids, masks."""
@@ -92,57 +150,15 @@ def build_cache(rows: list[dict], target, out_dir, layer_ids: list[int], *, shar
     from tqdm import tqdm
     bar = tqdm(total=len(todo), unit="seq", disable=not progress, dynamic_ncols=True)
     kv = model.new_cache(16, max_len)
-    buf: dict[str, list] = {f: [] for f in FILES}
-    buf_seqs: list = []
-    buf_tokens = 0
-
-    def flush():
-        nonlocal buf, buf_seqs, buf_tokens
-        if not buf_seqs:
-            return
-        name = f"shard-{len(index['shards']):05d}"
-        tmp = out / f".{name}"
-        tmp.mkdir()
-        sums = {}
-        for f in FILES:
-            arr = np.concatenate(buf[f])
-            np.save(tmp / f, arr)
-            sums[f] = sha256_file(tmp / f)
-        os.replace(tmp, out / name)
-        shard_no = len(index["shards"])
-        index["shards"].append({"name": name, "tokens": buf_tokens, "sha256": sums})
-        index["sequences"].extend([shard_no, off, n, rid] for off, n, rid in buf_seqs)
-        _write_index(out, index)
-        buf, buf_seqs, buf_tokens = {f: [] for f in FILES}, [], 0
-
-    batch: list = []
+    shards = _ShardWriter(out, index)
+    batch: list = []            # (row id, tokens, loss mask) of the rows of the next forward
 
     def run_batch():
-        nonlocal buf_tokens
-        if not batch:
-            return
-        ids, segs = [], []
-        for _rid, toks, _mask in batch:
-            slot = kv.allocate()
-            ids.extend(toks)
-            segs.append((slot, len(toks)))
-        o = model(torch.tensor(ids), segs, kv, feature_layers=tuple(layer_ids), logits_rows=None)
-        for slot, _ in segs:
-            kv.free(slot)
-        feats = torch.cat(o.features, -1).to(torch.bfloat16)
-        hidden = o.last_hidden.to(torch.bfloat16)
-        at = 0
-        for rid, toks, mask in batch:
-            n = len(toks)
-            buf["features.npy"].append(feats[at:at + n].view(torch.uint16).cpu().numpy())
-            buf["hidden.npy"].append(hidden[at:at + n].view(torch.uint16).cpu().numpy())
-            buf["ids.npy"].append(np.asarray(toks, dtype=np.int32))
-            buf["loss_mask.npy"].append(np.asarray(mask, dtype=np.uint8))
-            buf_seqs.append((buf_tokens, n, rid))
-            buf_tokens += n
-            at += n
-        bar.update(len(batch))
-        batch.clear()
+        if batch:
+            feats, hidden = _target_rows(model, kv, batch, layer_ids)
+            shards.add(batch, feats, hidden)
+            bar.update(len(batch))
+            batch.clear()
 
     skipped = 0
     for row in todo:
@@ -155,11 +171,11 @@ def build_cache(rows: list[dict], target, out_dir, layer_ids: list[int], *, shar
             continue
         if batch and (sum(len(b[1]) for b in batch) + len(toks) > batch_tokens or len(batch) == kv.num_slots):
             run_batch()
-            if buf_tokens >= shard_tokens:
-                flush()
+            if shards.tokens >= shard_tokens:
+                shards.flush()
         batch.append((row["id"], toks, mask))
     run_batch()
-    flush()
+    shards.flush()
     bar.close()
     total = sum(s["tokens"] for s in index["shards"])
     per_token = 2 * (len(layer_ids) + 1) * cfg.hidden_size + 4 + 1

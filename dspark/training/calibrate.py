@@ -65,13 +65,20 @@ class _Recorder(FixedPolicy):
 
     def __init__(self, block: int):
         super().__init__(block)
-        self.pending: list = []
+        self.pending: list[tuple[int, torch.Tensor, int]] = []    # (request id, confidences, accepted)
+        self._confs: dict[int, torch.Tensor] = {}
 
     def verify_lengths(self, requests, proposals):
-        for r, p in zip(requests, proposals):
-            if len(p) and p.confidences is not None:
-                self.pending.append((r, p.confidences.double().clone(), r.stats.num_accepted_tokens))
+        self._confs = {r.id: p.confidences.double().clone() for r, p in zip(requests, proposals)
+                       if len(p) and p.confidences is not None}
         return super().verify_lengths(requests, proposals)
+
+    def observe(self, outcome) -> None:
+        for o in outcome.requests:
+            conf = self._confs.pop(o.request_id, None)
+            if conf is not None and o.speculated:
+                self.pending.append((o.request_id, conf, o.accepted))
+        super().observe(outcome)
 
 
 def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, blocks: int, max_new_tokens: int = 256, concurrency: int = 16,
@@ -105,16 +112,16 @@ def collect(target, drafter, prompts: list[list[int]], domains: list[str], *, bl
                 live.append((req, i))
             policy.pending.clear()
             engine.step()
-            owner = {id(r): i for r, i in live}
-            for r, conf, before in policy.pending:
+            owner = {r.id: i for r, i in live}
+            for rid, conf, acc in policy.pending:
                 n = len(conf)
                 c = conf.clamp(1e-7, 1 - 1e-7)
                 row = np.full(g, np.nan)
                 row[:n] = torch.log(c / (1 - c)).numpy()
                 z.append(row)
                 length.append(n)
-                accepted.append(r.stats.num_accepted_tokens - before)
-                i = owner[id(r)]
+                accepted.append(acc)
+                i = owner[rid]
                 domain.append(domains[i])
             if progress is not None:
                 progress(min(len(length), blocks))

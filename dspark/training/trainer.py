@@ -37,7 +37,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -328,35 +328,30 @@ def _load_weights(model, folder) -> list[str]:
     return done + (["q/k norms at one"] if grown else [])
 
 
-def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
-          draft_vocab: torch.Tensor | None = None, heldout=None, progress: bool = True, log=print) -> dict:
-    """``heldout``: a source of held-out sequences for the held-out signal (with ``eval_every``)."""
-    tcfg = tcfg or TrainConfig()
+def _check(source, drafter_config: DrafterConfig, tcfg: TrainConfig, heldout, world: int) -> str:
+    """The run's settings checked against each other; returns the loss's name."""
     loss_name = tcfg.loss or ("ce" if drafter_config.kind == "dflash" else "tv")
     if loss_name not in LOSSES:
         raise UsageError(f"loss must be one of {', '.join(LOSSES)}, got {loss_name!r}")
     if tcfg.schedule not in ("cosine", "wsd") or not 0 < tcfg.decay <= 1:
         raise UsageError("schedule must be cosine or wsd, with decay in (0, 1]")
-    measured = tcfg.loss_decay == 0
-    if measured and not (heldout is not None and tcfg.eval_every):
+    if tcfg.loss_decay == 0 and not (heldout is not None and tcfg.eval_every):
         raise UsageError("measured position weights (loss decay 0) need held-out sequences and eval_every")
-    # autocast leaves RMSNorm in fp32 weights over bf16 inputs; torch warns once per shape
-    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-    rank, world = _dist()
-    out = Path(out_dir)
-    ckpt = out / "checkpoint"
-    n = len(source)
-    if n == 0:
+    if len(source) == 0:
         raise UsageError("no training sequences")
     if tcfg.batch_size < world:
         raise UsageError(f"batch size {tcfg.batch_size} < number of processes {world}")
     if list(source.feature_layers) != list(drafter_config.target_layer_ids):
         raise UsageError(f"the cache holds layers {source.feature_layers}, the drafter wants "
                          f"{drafter_config.target_layer_ids}")
-    torch.manual_seed(tcfg.seed)
-    old = out / "checkpoint.old"
-    if old.exists() and not ckpt.exists():     # killed between the two renames of a save
-        old.rename(ckpt)
+    return loss_name
+
+
+def _drafter_model(source, drafter_config: DrafterConfig, target, tcfg: TrainConfig, ckpt: Path,
+                   draft_vocab: torch.Tensor | None, rank: int, log):
+    """The drafter to train: the checkpoint's shape (its weights are loaded with the optimiser's
+    state later), or ``init_weights``'s weights, or new (its feature scale from the data, its
+    layers from the target's with ``init_layers``)."""
     if ckpt.exists() or tcfg.init_weights:
         src = ckpt if ckpt.exists() else Path(cast(str, tcfg.init_weights))   # set: the condition above
         saved = DrafterConfig.load(src)
@@ -382,112 +377,161 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
             _init_from_target(model, target, tcfg.init_layers)
             if rank == 0:
                 log(f"drafter layers start from target layers {list(tcfg.init_layers)} (and its final norm)")
+    return model
+
+
+def _checkpoint(out: Path) -> Path:
+    """Where the run saves (and resumes from); a save killed between its two renames is completed."""
+    ckpt, old = out / "checkpoint", out / "checkpoint.old"
+    if old.exists() and not ckpt.exists():
+        old.rename(ckpt)
+    return ckpt
+
+
+def _held_out(heldout) -> list:
+    """Every held-out sequence, read once (the held-out signal reads them at every evaluation)."""
+    if hasattr(heldout, "prefetch"):
+        heldout.prefetch(range(len(heldout)))
+    return [heldout[i] for i in range(len(heldout))]
+
+
+def _signal(model, held_seqs: list, out: Path, step: int, anchors_seen: int, g: int | None, log):
+    """The held-out signal now, appended to ``heldout.jsonl`` and logged; with ``g``, the position
+    weights measured from it (they follow the acceptance the drafter has now)."""
+    rec: dict[str, Any] = {"step": step, "anchors_seen": anchors_seen, "sources": heldout_signal(model, held_seqs)}
+    weights = None
+    if g is not None:
+        weights = torch.tensor(measured_weights(rec["sources"], g))
+        rec["position_weights"] = weights.tolist()
+    with open(out / "heldout.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    first = " ".join(f"{k} {v['accept'][0]:.3f}/{v['argmax'][0]:.3f}" for k, v in rec["sources"].items())
+    log(f"held-out at step {step} ({anchors_seen} anchors): position-1 accept/argmax {first}")
+    return weights
+
+
+def _batch(step: int, n: int, steps_per_epoch: int, tcfg: TrainConfig) -> list[int]:
+    """The sequences of this step: its epoch's seeded shuffle, cut at the step's place in it (the
+    same batch whenever a resumed run comes to this step)."""
+    epoch, within = divmod(step, steps_per_epoch)
+    order = list(range(n))
+    random.Random(tcfg.seed * 7919 + epoch).shuffle(order)
+    return order[within * tcfg.batch_size:(within + 1) * tcfg.batch_size]
+
+
+def _show(bar, rec: dict, total: int, write: bool, t0: float) -> None:
+    """A step on the progress bar; with ``write``, its record in a line of the log."""
+    bar.update(1)
+    bar.set_postfix(loss=f"{rec.get('loss', 0):.3f}", acc=f"{rec.get('accept', 0):.3f}")
+    if write:
+        msg = " ".join(f"{k} {v:.4f}" for k, v in rec.items() if k not in ("step", "anchors_seen"))
+        bar.write(f"step {rec['step']}/{total} {msg} ({time.perf_counter() - t0:.0f}s)")
+
+
+def _gradients(model, source, batch: list[int], mine: list[int], step: int, weights: torch.Tensor, kind: str,
+               loss_name: str, tcfg: TrainConfig, params: list, world: int) -> tuple[dict, int, int]:
+    """One step's gradients over this process's share (``mine``) of the batch, all-reduced across
+    processes: (the loss terms summed, the sequences they sum over, the anchors trained)."""
+    sums: dict = {}
+    step_anchors = 0
+    if hasattr(source, "prefetch"):
+        source.prefetch(mine)
+    for idx in mine:
+        seq = source[idx]
+        gen = torch.Generator().manual_seed(tcfg.seed * 1_000_003 + step * 10_007 + idx)
+        anchors = sample_anchors(seq.loss_mask, tcfg.anchors, gen)
+        if anchors.numel() == 0:
+            continue
+        step_anchors += anchors.numel()
+        with cpu_bf16(model):
+            loss, terms = sequence_loss(model, seq, anchors, weights, kind, loss_name)
+        (loss / len(batch)).backward()
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    names = ("loss", "ce", "l1", "kl", "bce", "accept")
+    if world > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        t = torch.tensor([sums.get(k, 0.0) for k in names] + [len(mine), step_anchors], dtype=torch.float64)
+        dist.all_reduce(t)
+        sums = dict(zip(names, t[:len(names)].tolist()))
+        count, step_anchors = int(t[-2]), int(t[-1])
+    else:
+        count = len(mine)
+    return sums, count, step_anchors
+
+
+def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
+          draft_vocab: torch.Tensor | None = None, heldout=None, progress: bool = True, log=print) -> dict:
+    """``heldout``: a source of held-out sequences for the held-out signal (with ``eval_every``)."""
+    tcfg = tcfg or TrainConfig()
+    rank, world = _dist()
+    loss_name = _check(source, drafter_config, tcfg, heldout, world)
+    measured = tcfg.loss_decay == 0
+    # autocast leaves RMSNorm in fp32 weights over bf16 inputs; torch warns once per shape
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    out = Path(out_dir)
+    ckpt = _checkpoint(out)
+    n = len(source)
+    torch.manual_seed(tcfg.seed)
+    model = _drafter_model(source, drafter_config, target, tcfg, ckpt, draft_vocab, rank, log)
+    drafter_config = model.config
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(n / tcfg.batch_size)
     total = max(1, round(tcfg.epochs * steps_per_epoch))
     stop = min(total, tcfg.max_steps or total)
-    history: list[dict]
-    step, history = 0, []
-    saved_weights = None
-    if ckpt.exists():
-        step, history, saved_weights = _load_checkpoint(ckpt, model, opt)
-        if rank == 0:
-            log(f"resuming from {ckpt} at step {step}/{total}")
+    step, history, saved_weights = _load_checkpoint(ckpt, model, opt) if ckpt.exists() else (0, [], None)
+    if rank == 0 and ckpt.exists():
+        log(f"resuming from {ckpt} at step {step}/{total}")
     g = drafter_config.block_size
     weights = torch.tensor(saved_weights or (position_weights(g, tcfg.loss_decay) if not measured else [1.0] * g))
     kind = drafter_config.kind
-    if rank == 0:
-        nparam = sum(p.numel() for p in params)
-        log(f"train {kind}: {n} sequences, {source.num_tokens} tokens, {total} steps of {tcfg.batch_size} "
-            f"sequences, {nparam / 1e6:.2f}M trainable parameters, draft vocab {model.config.draft_vocab_size}, "
-            f"loss {loss_name}, {tcfg.schedule} schedule, {world} process(es)")
     held_seqs = None
     if rank == 0:
+        log(f"train {kind}: {n} sequences, {source.num_tokens} tokens, {total} steps of {tcfg.batch_size} "
+            f"sequences, {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, draft vocab "
+            f"{model.config.draft_vocab_size}, loss {loss_name}, {tcfg.schedule} schedule, {world} process(es)")
         out.mkdir(parents=True, exist_ok=True)
-    if rank == 0 and heldout is not None and tcfg.eval_every:
-        if hasattr(heldout, "prefetch"):
-            heldout.prefetch(range(len(heldout)))
-        held_seqs = [heldout[i] for i in range(len(heldout))]
+        held_seqs = _held_out(heldout) if heldout is not None and tcfg.eval_every else None
     anchors_seen = int(history[-1].get("anchors_seen", 0)) if history else 0
 
     def signal():
         nonlocal weights
-        rec = {"step": step, "anchors_seen": anchors_seen, "sources": heldout_signal(model, held_seqs)}
-        if measured:          # the weights follow the acceptance the drafter has now
-            weights = torch.tensor(measured_weights(rec["sources"], g))
-            rec["position_weights"] = weights.tolist()
-        with open(out / "heldout.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        first = " ".join(f"{k} {v['accept'][0]:.3f}/{v['argmax'][0]:.3f}" for k, v in rec["sources"].items())
-        log(f"held-out at step {step} ({anchors_seen} anchors): position-1 accept/argmax {first}")
+        got = _signal(model, held_seqs, out, step, anchors_seen, g if measured else None, log)
+        weights = got if got is not None else weights
 
-    last_save = time.monotonic()
     from tqdm import tqdm
     bar = tqdm(total=stop, initial=step, unit="step", disable=not progress or rank != 0, dynamic_ncols=True)
-    t0 = time.perf_counter()
+    t0 = last_save = time.perf_counter()
     model.train()
     if held_seqs is not None and step == 0:
         signal()
     while step < stop:
-        epoch, within = divmod(step, steps_per_epoch)
-        order = list(range(n))
-        random.Random(tcfg.seed * 7919 + epoch).shuffle(order)
-        batch = order[within * tcfg.batch_size:(within + 1) * tcfg.batch_size]
-        mine = batch[rank::world]
+        batch = _batch(step, n, steps_per_epoch, tcfg)
         lr = lr_at(step, total, tcfg)
         for grp in opt.param_groups:
             grp["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        sums: dict = {}
-        step_anchors = 0
-        if hasattr(source, "prefetch"):
-            source.prefetch(mine)
-        for idx in mine:
-            seq = source[idx]
-            gen = torch.Generator().manual_seed(tcfg.seed * 1_000_003 + step * 10_007 + idx)
-            anchors = sample_anchors(seq.loss_mask, tcfg.anchors, gen)
-            if anchors.numel() == 0:
-                continue
-            step_anchors += anchors.numel()
-            with cpu_bf16(model):
-                loss, terms = sequence_loss(model, seq, anchors, weights, kind, loss_name)
-            (loss / len(batch)).backward()
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        names = ("loss", "ce", "l1", "kl", "bce", "accept")
-        if world > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-            t = torch.tensor([sums.get(k, 0.0) for k in names] + [len(mine), step_anchors], dtype=torch.float64)
-            dist.all_reduce(t)
-            sums = dict(zip(names, t[:len(names)].tolist()))
-            count, step_anchors = int(t[-2]), int(t[-1])
-        else:
-            count = len(mine)
+        sums, count, step_anchors = _gradients(model, source, batch, batch[rank::world], step, weights, kind,
+                                               loss_name, tcfg, params, world)
         anchors_seen += step_anchors
-        gnorm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
         opt.step()
         step += 1
-        rec = {"step": step, "lr": lr, "grad_norm": float(gnorm), "anchors_seen": anchors_seen,
-               **{k: v / max(1, count) for k, v in sums.items() if v}}
-        history.append(rec)
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec.get('loss', 0):.3f}", acc=f"{rec.get('accept', 0):.3f}")
-        if rank == 0 and (step % tcfg.log_every == 0 or step == stop):
-            el = time.perf_counter() - t0
-            msg = " ".join(f"{k} {v:.4f}" for k, v in rec.items() if k not in ("step", "anchors_seen"))
-            bar.write(f"step {step}/{total} {msg} ({el:.0f}s)")
+        history.append({"step": step, "lr": lr, "grad_norm": gnorm, "anchors_seen": anchors_seen,
+                        **{k: v / max(1, count) for k, v in sums.items() if v}})
+        _show(bar, history[-1], total, rank == 0 and (step % tcfg.log_every == 0 or step == stop), t0)
         if held_seqs is not None and (step % tcfg.eval_every == 0 or step == stop):
             signal()
-        due = time.monotonic() - last_save >= 60 * tcfg.save_minutes
+        due = time.perf_counter() - last_save >= 60 * tcfg.save_minutes
         if rank == 0 and (step % tcfg.save_every == 0 or step == stop or due):
             _save_checkpoint(ckpt, model, opt, step, history, tcfg, weights.tolist())
-            last_save = time.monotonic()
+            last_save = time.perf_counter()
     bar.close()
-    if rank == 0 and step >= total:
+    if rank == 0 and step >= total:     # the whole schedule ran: the drafter, and how it was trained
         model.save(out)
         (out / "train_log.json").write_text(json.dumps({"train": asdict(tcfg), "history": history}))
         log(f"saved drafter to {out}")
