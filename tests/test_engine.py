@@ -339,3 +339,40 @@ def test_a_long_scored_prompt_is_spread_over_steps_and_others_decode_meanwhile()
     while plain.status != "finished":
         engine.step()
     assert engine.num_steps - first == -(-len(long_prompt) // 40) and not streaming.done
+
+
+def test_every_step_is_one_frozen_record_for_the_policy_and_the_listeners():
+    """The public hook: each step's StepOutcome reaches the policy, then each listener, in order;
+    its counts agree with the requests' own; a removed listener hears no more."""
+    import dataclasses
+
+    class Watching(FixedPolicy):
+        def __init__(self):
+            super().__init__(3)
+            self.seen = []
+
+        def observe(self, outcome):
+            self.seen.append(outcome)
+
+    target = _tiny(0, vocab=11)
+    policy = Watching()
+    engine = Engine(target, NgramDrafter(block_size=3), policy, max_requests=2, max_len=64)
+    heard, late = [], []
+    engine.add_step_listener(heard.append)
+    remove = engine.add_step_listener(late.append)
+    reqs = [engine.add_request([1, 2, 3, 1, 2, 3, 1, 2], GREEDY, 12), engine.add_request([4, 5, 4, 5, 4], GREEDY, 9)]
+    engine.step()
+    remove()
+    engine.run()
+    assert len(late) == 1 and heard == policy.seen and len(heard) == engine.num_steps
+    assert [r.index for r in heard] == list(range(1, engine.num_steps + 1)) and engine.last_step is heard[-1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        heard[0].seconds = 0.0
+    assert heard[0].prefill_tokens == 8 + 5 and not heard[0].decode_only
+    assert all(r.forward_rows == r.prefill_tokens + sum(1 + o.verified for o in r.requests) for r in heard)
+    assert sorted(i for r in heard for i in r.ended) == sorted(r.id for r in reqs)
+    for q in reqs:     # what the records say each request drafted and accepted is what it counted
+        outcomes = [o for r in heard for o in r.requests if o.request_id == q.id]
+        assert sum(o.verified for o in outcomes if o.speculated) == q.stats.num_draft_tokens
+        assert sum(o.accepted for o in outcomes if o.speculated) == q.stats.num_accepted_tokens
+        assert len(outcomes) == q.stats.num_rounds
