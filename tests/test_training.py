@@ -571,3 +571,25 @@ def test_multi_turn_rows_carry_their_earlier_turns_into_the_prompt(tmp_path, tar
     bad.write_text(json.dumps({"prompt": "hi", "history": [{"role": "robot", "content": "x"}]}) + "\n")
     with pytest.raises(DsparkError, match="history"):
         read_prompts(bad)
+
+
+def test_the_targets_answers_give_their_full_share_of_held_out_rows(tmp_path):
+    """The held-out signal (and the position weights measured from it) reads the target's own
+    answers as much as the other sources: the corpus reads past the rows it trains on until their
+    held-out rows are set apart, and none of those is trained on."""
+    import random as _random
+    from dspark.training.corpus import build, is_heldout
+    rng = _random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
+    path = tmp_path / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(3000):
+            text = " ".join(rng.choice(words) for _ in range(12)) + f" {i}"
+            f.write(json.dumps({"id": f"q{i}", "prompt": text, "answer": text, "prompt_ids": [1, 2, 3],
+                                "answer_ids": [rng.randrange(5, 50) for _ in range(20)], "finish_reason": "stop"})
+                    + "\n")
+    train, held, report = build(None, {"regen": 1.0}, 200, regen_path=path, max_len=64, log=lambda m: None)
+    owed = [f"regen-q{i}" for i in range(3000) if is_heldout(f"regen-q{i}", 0.02)]
+    assert report["regen"]["heldout_rows"] == len(held) == min(24, len(owed)) >= 20
+    assert {r.id for r in held} <= set(owed) and not {r.id for r in held} & {r.id for r in train}
+    assert report["regen"]["positions"] >= 200 and len(train) < 20

@@ -192,8 +192,8 @@ def build(tokenizer, mix: dict[str, float], num_positions: int, *, regen_path=No
                     held.append(row)
                     held_src += 1
                 continue
-            if got >= want:
-                if held_src >= heldout_rows or src == "regen":
+            if got >= want:     # read on only for the held-out rows the source still owes
+                if held_src >= heldout_rows:
                     break
                 continue
             mine.append(row)
