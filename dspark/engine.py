@@ -402,8 +402,7 @@ class Engine:
         t0 = time.perf_counter()
         logits, feats = self._forward(batch)
         log.forward_rows, log.forward_seconds = len(batch.ids), time.perf_counter() - t0
-        blocks = self._blocks(logits, proposals)
-        head = None if logits is None else logits[:sum(len(p) + 1 for p in proposals)]   # the blocks' rows
+        head, blocks = self._blocks(logits, proposals)
         verdicts = self._verify(decode, proposals, blocks, head)
         for i, (r, verdict) in enumerate(zip(decode, verdicts)):
             if verdict is None:     # it failed verification and ended alone
@@ -411,7 +410,7 @@ class Engine:
             elif self._accept(r, proposals[i], verdict, drafted[i], batch.sent[i], batch.start[i], feats, blocks[i],
                               log):
                 ended.append(r)
-        at = sum(len(p) + 1 for p in proposals)     # the chunks' logits rows follow the blocks'
+        at = 0 if head is None else head.shape[0]     # the chunks' logits rows follow the blocks'
         return ended + self._prefilled(batch.chunks, logits, at)
 
     def _layout(self, decode: list[Request], proposals: list[Proposal], prefill: list[Request]) -> _Batch:
@@ -476,13 +475,15 @@ class Engine:
         return out.logits, feats
 
     @staticmethod
-    def _blocks(logits: torch.Tensor | None, proposals: list[Proposal]) -> list[torch.Tensor]:
-        """Each decoding request's rows [l + 1, V] of the target's raw logits (what log probabilities report)."""
+    def _blocks(logits: torch.Tensor | None, proposals: list[Proposal]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """(the decoding requests' rows of the target's raw logits [sum(l + 1), V], or None when none
+        decodes; each request's rows [l + 1, V] of them, what log probabilities report)."""
         if not proposals:
-            return []
+            return None, []
         assert logits is not None   # every decoding request has logits rows
         sizes = [len(p) + 1 for p in proposals]
-        return list(logits[:sum(sizes)].split(sizes))
+        head = logits[:sum(sizes)]
+        return head, list(head.split(sizes))
 
     def _verify(self, decode: list[Request], proposals: list[Proposal], blocks: list[torch.Tensor],
                 head: torch.Tensor | None) -> list[tuple[int, int] | None]:
