@@ -14,7 +14,7 @@ from .engine import RequestOptions, check_policy_name, serving_engine
 from .generation import GenerationStats, generate_ids
 from .runtime.loading import Target, load_target
 from .sampling import SamplingParams
-from .structured import GrammarSpec, grammar_state
+from .structured import GrammarSpec, grammar_state, grammar_states
 
 
 @dataclass
@@ -116,11 +116,12 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     d = load_drafter(drafter, tgt, block_size=num_draft)
     engine = serving_engine(tgt, d, policy, min(max_concurrency, len(ids)),
                             max(map(len, ids)) + max_new_tokens + d.block_size + 1, prefix_caching)
-    grammar = None if structured is None else _spec(structured).compile()
+    # one matcher per request (each advances with its output), copies of one built
+    states = None if structured is None else grammar_states(tgt, _spec(structured).compile(), len(ids))
     reqs = []
     for i, p in enumerate(ids):
         params = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-        state = None if grammar is None else grammar_state(tgt, grammar)     # one per request: it advances
+        state = None if states is None else states[i]
         reqs.append(engine.add_request(p, RequestOptions(params, max_new_tokens, grammar=state)))
     engine.run()
     # decode of one sequence (a list of ints) is one string

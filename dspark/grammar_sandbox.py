@@ -32,10 +32,20 @@ import threading
 from copy import copy
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import DsparkError, UsageError
 
 SERVER_STACK = 16 << 20            # the stack of the threads a server starts (threading.stack_size)
 DEFAULT_TIMEOUT = 20.0             # seconds one grammar may take in the sandbox
+DEFAULT_MAX_QUEUED = 8             # grammars waiting for the sandbox at most; the next is turned away
+CHILD_MEMORY = 4 << 30             # the child's address space: a grammar that needs more crashes it alone
+
+
+class SandboxBusy(DsparkError):
+    """Too many grammars are queued for the sandbox: the request may come back later."""
+
+
+class GrammarTimeout(UsageError):
+    """The grammar took the sandbox longer than its timeout."""
 
 
 def sandbox_stack() -> int:
@@ -60,13 +70,19 @@ def tokenizer_json(hf_tokenizer) -> str:
 class GrammarSandbox:
     """Compiles and checks grammars in a child process, one at a time; thread-safe."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, end_ids, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, hf_tokenizer, vocab_size: int, end_ids, timeout: float = DEFAULT_TIMEOUT,
+                 max_queued: int = DEFAULT_MAX_QUEUED):
         self._setup = json.dumps({"tokenizer": tokenizer_json(hf_tokenizer), "vocab_size": int(vocab_size),
                                   "end_ids": [int(t) for t in end_ids], "stack": sandbox_stack()})
         self.timeout = timeout
+        # each queued grammar holds one of the server's request threads while it waits (a slow one
+        # may take the whole timeout): a bounded queue leaves threads for everyone else's requests
+        self.max_queued = max_queued
         self.restarts = 0          # children that crashed or were killed
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._queued = 0
+        self._count = threading.Lock()
 
     def start(self) -> None:
         """Start the child now (otherwise the first grammar does)."""
@@ -93,11 +109,23 @@ class GrammarSandbox:
 
     def compile(self, kind: str, value) -> str:
         """llguidance's grammar text for this structured-output request, checked on the target's
-        tokenizer; a UsageError naming the problem when it is refused, crashes or takes too long."""
+        tokenizer; a UsageError naming the problem when it is refused, crashes or takes too long
+        (GrammarTimeout); SandboxBusy when ``max_queued`` grammars are waiting already."""
         try:
             line = json.dumps({"kind": kind, "value": value}).encode() + b"\n"
         except (TypeError, ValueError, RecursionError):
             raise UsageError(f"invalid {kind}: not JSON-serialisable or nested too deeply") from None
+        with self._count:
+            if self._queued >= self.max_queued:
+                raise SandboxBusy(f"{self._queued} grammars are waiting to be compiled; retry later")
+            self._queued += 1
+        try:
+            return self._compile(kind, line)
+        finally:
+            with self._count:
+                self._queued -= 1
+
+    def _compile(self, kind: str, line: bytes) -> str:
         with self._lock:
             proc = self._ensure()
             assert proc.stdin is not None and proc.stdout is not None
@@ -110,8 +138,8 @@ class GrammarSandbox:
                 answer = b""
             if answer is None:
                 self._kill()
-                raise UsageError(f"{kind} is too complex: the grammar engine took more than {self.timeout:g} s "
-                                 "to compile it")
+                raise GrammarTimeout(f"{kind} is too complex: the grammar engine took more than "
+                                     f"{self.timeout:g} s to compile it")
             if not answer.endswith(b"\n"):          # the child died on it
                 self._kill()
                 raise UsageError(f"{kind} is too complex: it crashed the grammar engine (llguidance), which "
@@ -133,6 +161,8 @@ def _child() -> None:
     from llguidance import LLTokenizer
 
     from .grammar import GrammarSpec, check_on
+    # llguidance allocates natively: past this it fails (and the child with it), not the machine
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
     setup = json.loads(sys.stdin.buffer.readline())
     tokenizer = LLTokenizer(setup["tokenizer"], n_vocab=setup["vocab_size"], eos_token=setup["end_ids"])
     threading.stack_size(setup["stack"])

@@ -70,6 +70,15 @@ class GrammarState:
         self.end = torch.zeros(vocab_size, dtype=torch.bool)
         self.end[list(end_ids)] = True
 
+    def copy(self) -> GrammarState:
+        """A matcher in this one's state, for another choice or request. llguidance's deep copy
+        shares what compiling the grammar built; a fresh matcher builds it again (megabytes for a
+        large enum: a request's n choices times its prompts would each hold that much)."""
+        twin = object.__new__(GrammarState)
+        twin.matcher = self.matcher.deep_copy()
+        twin.vocab_size, twin.end = self.vocab_size, self.end   # end: read, never written
+        return twin
+
     def allowed_now(self) -> torch.Tensor:
         """[V] bool: the tokens allowed after the output and what has been pushed."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
@@ -129,5 +138,12 @@ class GrammarState:
 
 def grammar_state(target, grammar: str) -> GrammarState:
     """A fresh matcher for one request over a compiled grammar (GrammarSpec.compile; each choice of
-    a request has its own matcher)."""
+    a request has its own matcher: ``grammar_states``)."""
     return GrammarState(grammar_tokenizer(target), grammar, target.model.config.vocab_size, target.eos_token_ids)
+
+
+def grammar_states(target, grammar: str, n: int) -> list[GrammarState]:
+    """n matchers at the start of one grammar, for the choices of a request: one built, the others
+    copies of it (GrammarState.copy), so that a request's memory does not grow n-fold."""
+    first = grammar_state(target, grammar)
+    return [first] + [first.copy() for _ in range(n - 1)]

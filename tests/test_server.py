@@ -30,7 +30,8 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Here is a list of f
 def serving(target, drafter, *, max_requests=2, max_len=512, api_key=None, prefix_caching=False, **app_flags):
     """The app on a free loopback port; ``app_flags``: create_app's (max_body_mb, max_prompts, ...)."""
     engine = Engine(target.model, drafter, max_requests=max_requests, max_len=max_len,
-                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching)
+                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching,
+                    isolate_failures=True)
     app = create_app(target, engine, api_key=api_key, **app_flags)
     with in_thread(app) as (url, _, _):
         yield url, app.state.server
@@ -483,6 +484,24 @@ def test_bad_logprobs_requests_name_the_field(server, body, field):
     route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     status, out = post(server[0] + route, body)
     assert status == 400 and field in out["error"]["message"], out
+
+
+def test_a_structured_request_builds_one_matcher_for_all_its_choices(client, monkeypatch):
+    """Prompts times n choices under one grammar: one matcher built in the server, the others
+    copies (a fresh matcher per choice held megabytes each: a request could exhaust memory)."""
+    from dspark import structured
+    built = []
+    init = structured.GrammarState.__init__
+
+    def counting(self, *a, **k):
+        built.append(1)
+        init(self, *a, **k)
+    monkeypatch.setattr(structured.GrammarState, "__init__", counting)
+    c = client.completions.create(model="smollm2-135m-instruct", prompt=["Is the sky blue? Answer:", "Is fire cold?"],
+                                  max_tokens=8, n=4, temperature=1.0, seed=0,
+                                  extra_body={"structured_outputs": {"choice": [" yes", " no", " maybe"]}})
+    assert len(built) == 1 and len(c.choices) == 8
+    assert all(ch.text in (" yes", " no", " maybe") and ch.finish_reason == "stop" for ch in c.choices)
 
 
 def test_structured_outputs_match_their_schema_and_plain_decoding_under_it(client, target_fp32):

@@ -7,6 +7,7 @@ outputs are those of a run without it, and the server goes on answering."""
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
@@ -275,6 +276,51 @@ def test_grammars_that_crash_llguidance_are_a_400_and_others_decode_on(server):
     assert srv.grammars.restarts >= restarts + 2        # the two chains crashed the sandbox, not the server
     test_a_good_grammar_still_passes_the_door(server)
     answers(url)
+
+
+def test_grammars_queued_past_the_bound_are_a_503_and_the_queue_drains(server):
+    """While the sandbox is busy (its lock held, as by a slow grammar), up to ``max_queued`` grammars
+    wait; the next request is turned away at once with a 503, not parked on a server thread; once
+    the sandbox is free the queued ones compile and new grammars pass again."""
+    url, srv = server
+    sandbox = srv.grammars
+    body = {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "(ab|c)+"}}
+    queued: list = []
+    with sandbox._lock:         # a grammar compiling
+        waiting = [threading.Thread(target=lambda: queued.append(post(url + "/v1/completions", body)[0]))
+                   for _ in range(sandbox.max_queued)]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 60
+        while sandbox._queued < sandbox.max_queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        status, out = post(url + "/v1/completions", body)
+        assert status == 503 and "retry" in out["error"]["message"], out
+        assert time.monotonic() - t0 < 5
+    for t in waiting:
+        t.join(120)
+    assert queued == [200] * sandbox.max_queued
+    assert post(url + "/v1/completions", body)[0] == 200
+    answers(url)
+
+
+def test_a_tool_grammar_that_times_out_is_not_retried_tool_by_tool(server, monkeypatch):
+    """A tools request whose grammar runs past the sandbox's timeout gets its 400 after one
+    timeout, not one more per tool (each could take the timeout again)."""
+    from dspark.grammar_sandbox import GrammarTimeout
+    url, srv = server
+    calls = []
+
+    def slow(kind, value):
+        calls.append(kind)
+        raise GrammarTimeout(f"{kind} is too complex: the grammar engine took more than 20 s to compile it")
+    monkeypatch.setattr(srv.grammars, "compile", slow)
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(8)]
+    status, out = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                      "tool_choice": "required", "max_tokens": 4})
+    assert_400(out, status, "tools", "too complex")
+    assert calls == ["grammar"]
 
 
 def test_a_schema_nested_nearly_as_deep_as_the_door_allows_is_a_400(server):

@@ -112,6 +112,22 @@ def test_block_masks_follow_the_drafts_and_leave_the_state_alone():
     assert g.masks([])[0].tolist() == [True, True, False, True, True]
 
 
+def test_copies_start_where_their_original_is_and_then_advance_alone():
+    """grammar_states: one matcher built, the others copies; each advances with its own output."""
+    from dspark.structured import grammar_states
+    target = _target(_tiny(0))
+    first, second, third = grammar_states(target, GrammarSpec("regex", REGEX).compile(), 3)
+    fresh = grammar_state(target, GrammarSpec("regex", REGEX).compile())
+    assert first.masks([])[0].tolist() == second.masks([])[0].tolist() == fresh.masks([])[0].tolist()
+    second.advance([1])                          # b: only c may follow
+    assert second.masks([])[0].tolist() == [False, False, True, False, False]
+    assert first.masks([])[0].tolist() == third.masks([])[0].tolist() == fresh.masks([])[0].tolist()
+    third.advance([1, 2])                        # bc: complete, so the end is allowed too
+    fresh.advance([1, 2])
+    assert third.masks([])[0].tolist() == fresh.copy().masks([])[0].tolist() == [True, True, False, True, True]
+    assert first.copy().masks([])[0].tolist() == [True, True, False, True, False]
+
+
 def test_choice_and_json_schema_compile_and_bad_constraints_are_clear():
     target = _target(_tiny(0))
     g = grammar_state(target, GrammarSpec("choice", ["ab", "d"]).compile())

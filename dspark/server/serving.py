@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from .. import tools as tool_calls
 from ..engine import Engine, RequestOptions
 from ..errors import DsparkError
-from ..grammar_sandbox import SERVER_STACK, GrammarSandbox
+from ..grammar_sandbox import SERVER_STACK, GrammarSandbox, GrammarTimeout, SandboxBusy
 from ..protocol import ChatCompletionRequest, CompletionRequest, TextStream
 from ..runtime.allocator import release_memory
 from ..sampling import SamplingParams
-from ..structured import grammar_state
+from ..structured import grammar_states
 from .door import DEFAULT_MAX_PROMPTS, ApiError
 from .metrics import Metrics
 from .worker import EngineWorker, Failed, Job, Tokens
@@ -118,6 +118,8 @@ class Server:
             if spec is None:
                 return None
             return self.grammars.compile(spec.kind, spec.value)
+        except SandboxBusy as e:
+            raise ApiError(503, str(e), type_="server_error", code="grammar_queue_full") from None
         except (ValueError, DsparkError) as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
@@ -163,10 +165,16 @@ class Server:
         named (``tools.N.function.parameters``)."""
         try:
             return self.grammars.compile("grammar", tool_calls.grammar(functions, mode, parallel, self.tool_tags))
+        except SandboxBusy as e:
+            raise ApiError(503, str(e), type_="server_error", code="grammar_queue_full") from None
+        except GrammarTimeout as e:     # not each tool in turn: each might take the timeout again
+            raise ApiError(400, f"tools: {e}", param="tools") from None
         except DsparkError as e:
             for i, f in enumerate(functions):
                 try:
                     self.grammars.compile("json", f.parameters)
+                except (GrammarTimeout, SandboxBusy):
+                    break       # no more of the sandbox's time on naming the culprit
                 except DsparkError as bad:
                     where = f"tools.{i}.function.parameters"
                     raise ApiError(400, f"{where}: {bad}", param=where) from None
@@ -187,6 +195,8 @@ class Server:
         bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
         if any(t >= vocab for t, _ in bias):
             raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {vocab}", param="logit_bias")
+        # one matcher built per request, copied for each choice (grammar_states)
+        states = grammar_states(self.target, grammar, len(prompts) * body.n) if grammar is not None else None
         choices = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits)):
             for j in range(body.n):
@@ -200,7 +210,7 @@ class Server:
                     raise ApiError(400, str(e), param="seed" if "seed" in str(e) else None) from None
                 scored = body.num_logprobs if getattr(body, "echo", False) else None    # the prompt's too
                 options = RequestOptions(params, limit, stop_ids, body.num_logprobs, scored, body.min_tokens,
-                                         None if grammar is None else grammar_state(self.target, grammar))
+                                         None if states is None else states[pi * body.n + j])
                 job = Job(ids, options, _no_sink)
                 choices.append(Choice(pi * body.n + j, len(ids), TextStream(self.tokenizer, body.stop), job))
         return choices
