@@ -81,7 +81,7 @@ def generate(prompt: str, *, target: str | Target | None = None, drafter: str | 
         raise UsageError("prompt is empty")
     tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device,
                                                                      batch_invariant=batch_invariant)
-    d = load_drafter(drafter, tgt, block_size=num_draft)
+    d = load_drafter(drafter, tgt, num_draft=num_draft)
     ids = encode_prompt(tgt.tokenizer, prompt, chat)
     grammar = None if structured is None else grammar_state(tgt, _spec(structured).compile())
     new, stats = generate_ids(tgt.model, ids, sampling, max_new_tokens, d, num_draft=num_draft,
@@ -113,9 +113,10 @@ def generate_batch(prompts: list[str], *, target: str | Target | None = None, dr
     check_policy_name(policy)
     tgt = target if isinstance(target, Target) else load_target(target, dtype=dtype, device=device)
     ids = [encode_prompt(tgt.tokenizer, p, chat) for p in prompts]
-    d = load_drafter(drafter, tgt, block_size=num_draft)
+    d = load_drafter(drafter, tgt, num_draft=num_draft)
     engine = serving_engine(tgt, d, policy, min(max_concurrency, len(ids)),
-                            max(map(len, ids)) + max_new_tokens + d.block_size + 1, prefix_caching)
+                            max(map(len, ids)) + max_new_tokens + d.block_size + 1, prefix_caching,
+                            isolate_failures=False)
     # one matcher per request (each advances with its output), copies of one built
     states = None if structured is None else grammar_states(tgt, _spec(structured).compile(), len(ids))
     reqs = []

@@ -250,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "NAME-padded runs NAME on a padded layout")
     c.add_argument("--fresh-costs", action="store_true",
                    help="auto starts as on a new machine: no profile table, nothing learned before")
-    c.add_argument("--block", type=_non_negative_int, default=7,
-                   help="block of the fixed policy (drafted tokens)")
+    c.add_argument("--num-draft", type=_non_negative_int, default=7,
+                   help="tokens drafted per round (the fixed policy's whole block; the others' cap)")
+    c.add_argument("--block", type=_non_negative_int, dest="num_draft", help=argparse.SUPPRESS)
     c.add_argument("--drafter", default="ngram")
     c.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
     c.add_argument("--num-prompts", type=_positive_int, default=32)
@@ -262,6 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(c)
     c.set_defaults(threads=2)
     c.add_argument("--json", action="store_true")
+
+    st = bsub.add_parser("steps", help="where an engine step's time goes, per policy, at one concurrency "
+                                       "(the engine's step records)")
+    st.add_argument("--policies", default="plain,prefix,auto", help="as for `dspark bench concurrency`")
+    st.add_argument("--concurrency", type=_positive_int, default=16)
+    st.add_argument("--num-draft", type=_non_negative_int, default=None,
+                    help="tokens drafted per round (default: the drafter's block size)")
+    st.add_argument("--drafter", default="ngram+dspark")
+    st.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
+    st.add_argument("--num-prompts", type=_positive_int, default=64)
+    st.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    st.add_argument("--temperature", type=_float, default=0.0)
+    st.add_argument("--seed", type=_int, default=0)
+    _add_model_flags(st)
+    st.set_defaults(threads=2)
+    st.add_argument("--json", action="store_true", help="print the summary and every step as JSON")
 
     from . import cli_training
     from .simulation import cli as simulation
@@ -320,7 +337,7 @@ def cmd_generate(args) -> int:
     structured = _structured(args)
     _setup_torch(args)
     target = target_from_args(args)
-    drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
+    drafter = load_drafter(args.drafter, target, num_draft=args.num_draft)
     stream = text = None
     if not args.json:
         from .protocol import TextStream
@@ -389,7 +406,7 @@ def cmd_serve(args) -> int:
     # --compile: the graphs are built beside serving (compiling.py), the server answers at once
     compile_graphs, args.compile = args.compile, False
     target = target_from_args(args)
-    drafter = load_drafter(args.drafter, target, block_size=args.num_draft)
+    drafter = load_drafter(args.drafter, target, num_draft=args.num_draft)
     engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len, args.prefix_caching)
     if compile_graphs:
         from .compiling import GraphBuilder
@@ -442,6 +459,9 @@ def cmd_bench(args) -> int:
     if args.bench == "serving":
         from .evaluation.serving import run_serving_bench
         return run_serving_bench(args)
+    if args.bench == "steps":
+        from .evaluation.steps import run_steps_bench
+        return run_steps_bench(args)
     if args.bench == "tools":
         from .evaluation.tool_calls import run_tools_bench
         return run_tools_bench(args)

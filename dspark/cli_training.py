@@ -9,6 +9,7 @@ Each command reads what the previous one wrote; the defaults chain through one w
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -191,7 +192,8 @@ def add_parsers(sub, h) -> None:
     e.add_argument("--max-new-tokens", type=h._positive_int, default=256)
     e.add_argument("--temperature", type=h._float, default=1.0)
     e.add_argument("--seed", type=h._int, default=0)
-    e.add_argument("--block", type=h._positive_int, default=7)
+    e.add_argument("--num-draft", type=h._positive_int, default=7, help="tokens drafted per round")
+    e.add_argument("--block", type=h._positive_int, dest="num_draft", help=argparse.SUPPRESS)
     e.add_argument("--concurrency", type=h._positive_int, default=8, help="prompts decoded at once")
     e.add_argument("--exact-seeds", action="store_true",
                    help="verify as seeded requests are served (drafts as point masses at the verifier's draws: "
@@ -388,10 +390,10 @@ def cmd_eval(args) -> int:
             raise UsageError("--drafters: give at least one drafter")
         from .data import benchmark_names
         datasets = args.dataset or benchmark_names()
-        drafters = {n: load_drafter(n, target, block_size=args.block) for n in names}
+        drafters = {n: load_drafter(n, target, num_draft=args.num_draft) for n in names}
         out = acceptance.evaluate(target, drafters, datasets, num_prompts=args.num_prompts,
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  seed=args.seed, block=args.block, concurrency=args.concurrency,
+                                  seed=args.seed, block=args.num_draft, concurrency=args.concurrency,
                                   log=lambda m: print(m, file=sys.stderr), exact_seed=args.exact_seeds)
     table = acceptance.markdown(out)
     print(table, file=sys.stderr)

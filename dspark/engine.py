@@ -159,8 +159,8 @@ class _Chunk:
 
 @dataclass
 class _Batch:
-    """A step's ragged batch: the tokens of every decoding request's block (anchor + drafts, padded
-    with ``padded``) and then of the prefilling chunks; which rows' logits are wanted."""
+    """A step's ragged batch: the tokens of every decoding request's block (anchor + drafts) and then
+    of the prefilling chunks; which rows' logits are wanted."""
 
     ids: list[int] = field(default_factory=list)
     segments: list[tuple[int, int]] = field(default_factory=list)   # (cache slot, tokens) per request
@@ -188,7 +188,7 @@ class Engine:
     def __init__(self, target: Decoder, drafter: Drafter | None = None, policy: Policy | None = None, *,
                  max_requests: int = 1, max_len: int = 4096, block_size: int | None = None,
                  prefill_chunk: int = 2048, decoding_chunk: int = 512, score_chunk: int = 256, eos_ids=(),
-                 padded: bool = False, prefix_caching: bool = False, prefix_min_match: int = 16,
+                 prefix_caching: bool = False, prefix_min_match: int = 16,
                  isolate_failures: bool = False):
         if max_requests < 1 or max_len < 2:
             raise UsageError("need max_requests >= 1 and max_len >= 2")
@@ -205,9 +205,6 @@ class Engine:
         # steps and the requests decoding beside it wait one short step at a time
         self.score_chunk = score_chunk
         self.eos_ids = frozenset(eos_ids)
-        # padded=True pads every request's block to the longest one in the step (the layout of a
-        # dense [batch, block] verification), only to measure what the ragged layout saves
-        self.padded = padded
         self.cache = target.new_cache(max_requests, max_len)
         # prefix_min_match: the fewest prompt tokens a slot must already hold to be reused for them
         self.prefix = PrefixCache(max_requests, max_len, min_match=prefix_min_match) if prefix_caching else None
@@ -413,6 +410,11 @@ class Engine:
         at = 0 if head is None else head.shape[0]     # the chunks' logits rows follow the blocks'
         return ended + self._prefilled(batch.chunks, logits, at)
 
+    def _block_ids(self, anchor: int, proposal: Proposal, width: int) -> list[int]:
+        """A decoding request's rows in the step: its anchor (last token) and its verified drafts.
+        ``width``: the step's longest proposal, for layouts that pad to it (evaluation.concurrency)."""
+        return [anchor, *proposal.tokens.tolist()]
+
     def _layout(self, decode: list[Request], proposals: list[Proposal], prefill: list[Request]) -> _Batch:
         """The step's ragged batch: each decoding request's anchor and verified drafts (all their
         rows wanted), then chunks of the prefilling prompts up to ``prefill_chunk`` tokens in all
@@ -422,14 +424,11 @@ class Engine:
         width = max((len(p) for p in proposals), default=0)
         for r, p in zip(decode, proposals):
             assert r.ctx is not None and r.slot is not None   # decoding: it has a context and a slot
-            n = len(p) + 1
+            ids = self._block_ids(r.ctx.tokens[-1], p, width)   # anchor, drafts[, padding]
+            n = len(ids)
             b.start.append(len(b.ids))
-            b.rows.extend(range(len(b.ids), len(b.ids) + n))
-            b.ids.append(r.ctx.tokens[-1])
-            b.ids.extend(p.tokens.tolist())
-            if self.padded and width > len(p):   # dummy tokens, computed then rolled back
-                b.ids.extend([r.ctx.tokens[-1]] * (width - len(p)))
-                n = width + 1
+            b.rows.extend(range(len(b.ids), len(b.ids) + len(p) + 1))   # the anchor's and the drafts' logits
+            b.ids.extend(ids)
             b.segments.append((r.slot, n))
             b.sent.append(n)
         chunk = min(self.prefill_chunk, self.decoding_chunk) if decode else self.prefill_chunk
@@ -757,12 +756,14 @@ def serving_policy(target, drafter, name: str, max_requests: int = 32):
 
 
 def serving_engine(target, drafter, policy: str, max_requests: int, max_len: int,
-                   prefix_caching: bool = True) -> Engine:
+                   prefix_caching: bool = True, isolate_failures: bool = True) -> Engine:
     """The engine `dspark serve`, `dspark bench serving` and `dspark.generate_batch` run for a loaded
-    target and drafter (``policy`` as for serving_policy; prefix caching on, as in vLLM)."""
+    target and drafter (``policy`` as for serving_policy; prefix caching on, as in vLLM; a failing
+    request ends alone unless ``isolate_failures`` is off, as for batch generation)."""
     pol, _ = serving_policy(target, drafter, policy, max_requests)
     return Engine(target.model, drafter, pol, max_requests=max_requests, max_len=max_len,
-                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching)
+                  block_size=drafter.block_size, eos_ids=target.eos_token_ids, prefix_caching=prefix_caching,
+                  isolate_failures=isolate_failures)
 
 
 def check_policy_name(policy: str) -> None:

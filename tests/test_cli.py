@@ -115,7 +115,7 @@ def test_damaged_cache_copy_is_rebuilt(tmp_path, monkeypatch):
 def test_eval_json_has_tau_and_per_position_acceptance(target_fp32, tmp_path):
     code, out, err = _run(["eval", "--drafters", "ngram,cut:8", "--dataset", "gsm8k", "humaneval",
                            "--num-prompts", "2", "--max-new-tokens", "24", "--temperature", "0",
-                           "--block", "3", "--dtype", "fp32", "--json"])
+                           "--num-draft", "3", "--dtype", "fp32", "--json"])
     assert code == 0, err
     res = json.loads(out.strip().splitlines()[-1])
     rows = res["results"]

@@ -179,7 +179,7 @@ def test_async_capacity_recovers_after_a_step_that_drafted_nothing():
     from dspark.scheduling.asynchronous import AsyncPolicy
     cheap = CostTable("tiny", requests=[1, 8, 32], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.01, 1.03], [1.4, 1.42, 1.45], [2.5, 2.52, 2.6]]])
-    pol = AsyncPolicy(cheap, block=3)
+    pol = AsyncPolicy(cheap, num_draft=3)
     reqs = _requests(2)
     empty = [Proposal.empty(), Proposal.empty()]
     pol.capacity = 0
@@ -256,7 +256,7 @@ def test_prefix_drafts_only_as_deep_as_the_profile_pays():
 
     def policy(seconds, conditional):
         pol = PrefixPolicy(CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
-                                     seconds=[[seconds, [2 * s for s in seconds]]]), block=3)
+                                     seconds=[[seconds, [2 * s for s in seconds]]]), num_draft=3)
         pol.profile.hits, pol.profile.tries = list(conditional), [1.0] * 3
         return pol
 
@@ -278,7 +278,7 @@ def test_drafting_depth_comes_from_every_proposal_not_only_the_verified_ones():
     from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [1.4, 1.9, 2.4]]])
-    pol = PrefixPolicy(table, block=3)
+    pol = PrefixPolicy(table, num_draft=3)
     pol.profile.hits, pol.profile.tries = [0.9, 0.8, 0.7], [1.0] * 3    # what verified tokens showed
     reqs = _requests(8)
     assert max(pol.draft_lengths(reqs, 3)) > 0
@@ -296,7 +296,7 @@ def test_async_drafts_only_for_requests_that_held_part_of_the_capacity():
     from dspark.scheduling.asynchronous import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.05, 1.2], [1.4, 1.9, 2.4]]])
-    pol = AsyncPolicy(table, block=3)
+    pol = AsyncPolicy(table, num_draft=3)
     reqs = _requests(8)
     confident = [0.95] * 3
     props = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor(confident if i == 0 else [0.02] * 3))
@@ -320,7 +320,7 @@ def test_async_prices_the_fixed_cost_of_a_drafter_call():
     reqs = _requests(8)
 
     def capacity(row0):
-        pol = AsyncPolicy(table, block=3)
+        pol = AsyncPolicy(table, num_draft=3)
         snap = {i: row0 if i == 0 else [0.05, 0.01, 0.0] for i in range(8)}
         pol.history.extend([snap, snap])        # the survivals of two steps ago
         return pol._capacity(reqs, 3)[0]
@@ -361,7 +361,7 @@ def test_cost_model_learns_what_steps_really_cost():
     from dspark.scheduling.costs import CostModel
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
-    pol = PrefixPolicy(table, block=3)
+    pol = PrefixPolicy(table, num_draft=3)
     pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
     reqs = _requests(8)
     wants = _run_dearer_drafting(pol, table, reqs, 80)
@@ -391,7 +391,7 @@ def test_a_slow_spell_over_plain_steps_does_not_lock_the_policy_into_drafting():
     from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 1.6, 2.0]]], draft=[[[0, 0.05, 0.05], [0, 0.1, 0.2]]])
-    pol = PrefixPolicy(table, block=3)
+    pol = PrefixPolicy(table, num_draft=3)
     pol.profile.hits, pol.profile.tries = [0.3, 0.3, 0.3], [1.0] * 3
     reqs = _requests(8)
     for _ in range(8):                     # the slow spell, over plain steps
@@ -410,7 +410,7 @@ def test_async_verifies_no_token_whose_survival_does_not_pay_for_its_verificatio
     from dspark.scheduling.asynchronous import AsyncPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.3, 1.6], [2.0, 3.0, 3.5]]], draft=[[[0, 0.3, 0.35], [0, 0.8, 0.9]]])
-    pol = AsyncPolicy(table, block=3)
+    pol = AsyncPolicy(table, num_draft=3)
     reqs = _requests(8)
     props = [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.5] * 3 if i == 0 else [0.05] * 3))
              for i in range(8)]
@@ -430,7 +430,7 @@ def test_prefix_drafts_when_the_confident_few_pay_for_the_call_and_stops_when_th
     from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 2.0, 2.8]]], draft=[[[0, 0.05, 0.05], [0, 0.2, 0.4]]])
-    pol = PrefixPolicy(table, block=3)
+    pol = PrefixPolicy(table, num_draft=3)
     reqs = _requests(8)
 
     def step(first):
@@ -458,7 +458,7 @@ def test_the_drafters_call_is_weighed_for_the_requests_no_lookup_serves():
     from dspark.scheduling.prefix import PrefixPolicy
     table = CostTable("tiny", requests=[1, 8], verified=[0, 1, 3], contexts=[8],
                       seconds=[[[1.0, 1.1, 1.2], [1.4, 2.2, 2.8]]], draft=[[[0, 0.01, 0.02], [0, 0.2, 0.8]]])
-    pol = PrefixPolicy(table, block=3)
+    pol = PrefixPolicy(table, num_draft=3)
     reqs = _requests(8)
     pol.verify_lengths(reqs, [Proposal(torch.tensor([1, 2, 3]), None, torch.tensor([0.45] * 3)) for _ in reqs])
     for _ in range(50):
@@ -481,7 +481,7 @@ def test_drafting_prices_the_context_a_request_hands_the_drafter_after_a_pause()
     reqs = _requests(16)
 
     def wants(rows):
-        pol = PrefixPolicy(table, block=3)
+        pol = PrefixPolicy(table, num_draft=3)
         pol.profile.hits, pol.profile.tries = [0.5, 0.5, 0.5], [1.0] * 3
         return pol, pol.draft_lengths([dataclasses.replace(r, pending_rows=rows) for r in reqs], 3)
 
@@ -534,7 +534,7 @@ def test_probes_thin_out_the_further_drafting_is_from_paying():
     reqs = _requests(2)
 
     def gap(acceptance):
-        pol = PrefixPolicy(table, block=3)
+        pol = PrefixPolicy(table, num_draft=3)
         pol.profile.hits, pol.profile.tries = [acceptance] * 3, [1.0] * 3
         pol.draft_lengths(reqs, 3)
         return pol._ratio, pol.probe_gap(reqs)

@@ -36,7 +36,7 @@ def test_names(target_fp32):
 
 def test_draft_lm_from_folder(target_fp32, tmp_path, bench_prompts):
     folder = _tiny_folder(tmp_path / "draft", target_fp32.model.config.vocab_size, target_fp32.tokenizer)
-    d = load_drafter(str(folder), target_fp32, block_size=3)
+    d = load_drafter(str(folder), target_fp32, num_draft=3)
     assert isinstance(d, DraftLMDrafter) and d.block_size == 3
     prompt = bench_prompts[1]
     plain = generate_ids(target_fp32.model, prompt, GREEDY, 16)[0]

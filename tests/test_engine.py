@@ -248,17 +248,6 @@ def test_request_larger_than_a_slot_is_refused():
         engine.add_request(list(range(10)), GREEDY, 10)
 
 
-def test_padded_layout_gives_the_same_outputs():
-    target = _tiny(0, vocab=11, scale=4.0)
-    outs = []
-    for padded in (False, True):
-        engine = Engine(target, NgramDrafter(block_size=4), max_requests=4, max_len=64, padded=padded)
-        reqs = [engine.add_request([1 + i, 2, 3, 1 + i, 2], GREEDY, 20) for i in range(4)]
-        engine.run()
-        outs.append([r.output_ids for r in reqs])
-    assert outs[0] == outs[1]
-
-
 @pytest.mark.parametrize("drafter,policy", [
     (NgramDrafter(block_size=4, rule="first", max_ngram=2, weak_match_tokens=4), FixedPolicy()),
     (NgramDrafter(block_size=4, weak_match_tokens=1), FixedPolicy()),

@@ -144,3 +144,56 @@ def test_interleaved_policies_match_their_runs_alone_and_time_only_their_own_ste
         assert res["per_user_tokens_per_second"] > 0
     assert fixed["engine_steps"] < plain["engine_steps"]      # drafting took fewer steps
     assert fixed["wall_seconds"] + plain["wall_seconds"] <= elapsed - pause * len(steps) + 0.05
+
+
+def test_steps_bench_reads_every_step_from_the_hook(capsys):
+    """`dspark bench steps`: one row per engine step, numbered as the engine numbered them; plain
+    decoding drafts nothing, the fixed block verifies drafts and accepts no more than it verified;
+    the steady steps' means come from the same rows."""
+    code = main(["bench", "steps", "--drafter", "ngram", "--concurrency", "2", "--policies", "plain,fixed",
+                 "--num-prompts", "4", "--max-new-tokens", "12", "--json"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]
+    for name in ("plain", "fixed"):
+        steps = res[name]["steps"]
+        assert [s["index"] for s in steps] == list(range(1, len(steps) + 1))
+        assert sum(s["prefill"] for s in steps) > 0 and res[name]["total_tokens_per_second"] > 0
+        assert all(0 <= s["forward"] <= s["seconds"] for s in steps)
+        phases = res[name]["phases"]
+        assert sum(p["steps"] for p in phases.values()) == len(steps)
+    assert all(s["verified"] == 0 and s["drafting"] == 0 for s in res["plain"]["steps"])
+    fixed = res["fixed"]["steps"]
+    assert sum(s["verified"] for s in fixed) > 0
+    assert all(s["accepted"] <= s["verified"] for s in fixed)
+    assert main(["bench", "steps", "--policies", "bogus"]) == 2
+
+
+def test_padded_layout_gives_the_same_outputs():
+    """The bench's padded (dense) layout computes dummy rows and rolls them back: same outputs,
+    more rows."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.engine import Engine
+    from dspark.evaluation.concurrency import PaddedEngine
+    from dspark.runtime.model import Decoder
+    from dspark.sampling import SamplingParams
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=11, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(4.0)
+    target = Decoder.from_hf(m)
+    outs, rows = [], []
+    for cls in (Engine, PaddedEngine):
+        engine = cls(target, NgramDrafter(block_size=4), max_requests=4, max_len=64)
+        seen: list[int] = []
+        engine.add_step_listener(lambda rec, seen=seen: seen.append(rec.forward_rows))
+        reqs = [engine.add_request([1 + i, 2, 3, 1 + i, 2], SamplingParams(temperature=0), 20) for i in range(4)]
+        engine.run()
+        outs.append([r.output_ids for r in reqs])
+        rows.append(sum(seen))
+    assert outs[0] == outs[1]
+    assert rows[1] > rows[0]

@@ -432,6 +432,14 @@ def test_without_isolation_a_failure_still_raises_out_of_the_step(tiny, monkeypa
         e.step()
 
 
+def test_a_server_refuses_an_engine_that_lets_one_failure_end_the_step(tiny):
+    """The server never changes the engine it is given: one built without isolation is refused."""
+    e = Engine(tiny.model, PlainDrafter(), max_requests=2, max_len=64, eos_ids=tiny.eos_token_ids)
+    with pytest.raises(UsageError, match="isolate_failures"):
+        dspark.server.Server(tiny, e, "tiny")
+    assert not e.isolate_failures
+
+
 def test_engine_isolation_reports_the_failed_request(tiny, monkeypatch):
     e = Engine(tiny.model, NgramDrafter(block_size=3), max_requests=3, max_len=64, isolate_failures=True,
                prefix_caching=True, prefix_min_match=2)
@@ -566,8 +574,8 @@ def test_a_job_receives_typed_events(tiny):
     probabilities when asked), then Ended with the finish reason, or Failed with a message."""
     from dspark.engine import RequestOptions
     from dspark.server import Ended, Failed, Job, Tokens
-    srv = dspark.server.Server(tiny, Engine(tiny.model, NgramDrafter(block_size=3), max_requests=2, max_len=64),
-                               "tiny")
+    srv = dspark.server.Server(tiny, Engine(tiny.model, NgramDrafter(block_size=3), max_requests=2, max_len=64,
+                                            isolate_failures=True), "tiny")
     events: dict[int, list] = {0: [], 1: []}
     greedy = SamplingParams(temperature=0)
     ok = Job([5, 6, 7], RequestOptions(greedy, 6, frozenset(), logprobs=1), events[0].append)

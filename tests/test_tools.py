@@ -267,7 +267,7 @@ def test_every_tool_choice_streams_as_it_answers_whole_and_drafters_change_nothi
     for j, name in enumerate(drafters):
         d = load_drafter(name, target_fp32)
         engine = Engine(target_fp32.model, d, max_requests=2, max_len=1024, block_size=d.block_size,
-                        eos_ids=target_fp32.eos_token_ids)
+                        eos_ids=target_fp32.eos_token_ids, isolate_failures=True)
         with in_thread(create_app(target_fp32, engine)) as (url, _, _):
             client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
             # plain answers every choice for both prompts; each drafter every choice for one of them
@@ -312,7 +312,8 @@ def _post(url, body):
 
 
 def test_bad_tool_requests_get_a_400_naming_the_field(target_fp32):
-    engine = Engine(target_fp32.model, None, max_requests=1, max_len=512, eos_ids=target_fp32.eos_token_ids)
+    engine = Engine(target_fp32.model, None, max_requests=1, max_len=512, eos_ids=target_fp32.eos_token_ids,
+                    isolate_failures=True)
     msgs = [{"role": "user", "content": "hi"}]
     fn = {"name": "f", "parameters": {"type": "object"}}
     big = {"name": "big", "description": "x" * 20_000}

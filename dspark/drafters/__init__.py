@@ -31,23 +31,23 @@ def trained_drafter_dirs(target_name: str, name: str) -> list[Path]:
     return [CHECKPOINTS / target_name / name, cache_dir() / "drafters" / target_name / name]
 
 
-def load_trained(folder: Path, target, *, block_size: int | None = None, name: str | None = None) -> Drafter:
+def load_trained(folder: Path, target, *, num_draft: int | None = None, name: str | None = None) -> Drafter:
     """A trained drafter's folder (ours or an engine's layout) loaded for ``target``; its one-request
     pass compiled when the target's forwards are (``Decoder.compile``), saying so on stderr."""
-    drafter = _load_trained(folder, target, block_size=block_size, name=name)
+    drafter = _load_trained(folder, target, num_draft=num_draft, name=name)
     if target.model.compiled:
         print(f"dspark: {drafter.compile()}", file=sys.stderr)
     return drafter
 
 
-def _load_trained(folder: Path, target, *, block_size: int | None = None, name: str | None = None):
+def _load_trained(folder: Path, target, *, num_draft: int | None = None, name: str | None = None):
     from .config import DrafterConfig
     from .dspark import DSparkDrafter, DSparkModel
     if _is_foreign(Path(folder)):     # a checkpoint in an engine's layout (DeepSpec, DFlash, speculators)
         from .foreign import load_foreign
         m = target.model
         model = load_foreign(Path(folder), m.config, m.embed, m.lm_head)
-        imported = DSparkDrafter(model, m, name=name, block_size=block_size)
+        imported = DSparkDrafter(model, m, name=name, block_size=num_draft)
         imported.folder = Path(folder)
         return imported
     cfg = DrafterConfig.load(folder)
@@ -60,9 +60,9 @@ def _load_trained(folder: Path, target, *, block_size: int | None = None, name: 
     if cfg.kind == "eagle3":
         from .eagle3 import Eagle3Drafter, Eagle3Model
         drafter: DSparkDrafter = Eagle3Drafter(Eagle3Model.load(folder), target.model, name=name,
-                                               block_size=block_size)
+                                               block_size=num_draft)
     else:
-        drafter = DSparkDrafter(DSparkModel.load(folder), target.model, name=name, block_size=block_size)
+        drafter = DSparkDrafter(DSparkModel.load(folder), target.model, name=name, block_size=num_draft)
     drafter.folder = Path(folder)
     return drafter
 
@@ -92,7 +92,7 @@ def _is_trained_drafter(path: Path) -> bool:
     return any("Drafter" in a for a in archs) or "block_size" in data or _is_foreign(path)
 
 
-def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None = None,
+def load_drafter(spec: str | Drafter | None, target, *, num_draft: int | None = None,
                  dtype=None) -> Drafter:
     """``spec``: a Drafter, None / "plain", "ngram", "cut" / "cut:N", a trained drafter name (dspark, dflash,
     dflash-5, eagle3, dspark-rnn) or folder, or a draft LM (bundled name, HF folder or GGUF file
@@ -104,10 +104,10 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
     if low in ("plain", "none"):
         return PlainDrafter()
     if low == "ngram":
-        return NgramDrafter(block_size=block_size or 10)
+        return NgramDrafter(block_size=num_draft or 10)
     if low == "auto":
         trained = any((f / "config.json").is_file() for f in trained_drafter_dirs(target.name, "dspark"))
-        return load_drafter("ngram+dspark" if trained else "ngram", target, block_size=block_size, dtype=dtype)
+        return load_drafter("ngram+dspark" if trained else "ngram", target, num_draft=num_draft, dtype=dtype)
     if "+" in low:
         first, _, second = name.partition("+")
         if first.strip().lower() != "ngram" or not second.strip() or "+" in second:
@@ -117,7 +117,7 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
         if model.block_size == 0 or isinstance(model, NgramDrafter):
             raise UsageError(f"drafter {name!r}: the second part must be a drafter that drafts "
                              f"everywhere (a trained drafter or a draft LM), not {second.strip()!r}")
-        return HybridDrafter(NgramDrafter(block_size=block_size or 10), model)
+        return HybridDrafter(NgramDrafter(block_size=num_draft or 10), model)
     if low == "cut" or low.startswith("cut:"):
         total = target.model.config.num_layers
         n = max(1, total // 4)
@@ -128,12 +128,12 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
                 raise UsageError(f"drafter {name!r}: expected cut:N with N an integer") from None
         if not 1 <= n < total:
             raise UsageError(f"drafter {name!r}: N must be in [1, {total - 1}]")
-        return DraftLMDrafter(target.model.truncated(n), block_size=block_size or 4, name=f"cut:{n}")
+        return DraftLMDrafter(target.model.truncated(n), block_size=num_draft or 4, name=f"cut:{n}")
     from ..runtime.loading import BUNDLED, ALIASES, load_target
     if low in TRAINED_NAMES:
         for folder in trained_drafter_dirs(target.name, low):
             if (folder / "config.json").is_file():
-                return load_trained(folder, target, block_size=block_size, name=low)
+                return load_trained(folder, target, num_draft=num_draft, name=low)
         raise UsageError(f"no trained {low!r} drafter for {target.name}: train it with "
                          f"`dspark train --recipe {low}` (see README), or pass a drafter folder")
     path = Path(name).expanduser()
@@ -141,10 +141,10 @@ def load_drafter(spec: str | Drafter | None, target, *, block_size: int | None =
         raise UsageError(f"unknown drafter {name!r}: use one of {', '.join(DRAFTER_NAMES)}, "
                          "a trained drafter folder, or a draft LM (bundled name, folder or .gguf)")
     if path.is_dir() and _is_trained_drafter(path):
-        return load_trained(path, target, block_size=block_size)
+        return load_trained(path, target, num_draft=num_draft)
     draft = load_target(name, dtype=dtype or target.model.dtype, device=str(target.model.device))
     _check_same_vocab(draft, target, name)
-    return DraftLMDrafter(draft.model, block_size=block_size or 4, name=draft.name)
+    return DraftLMDrafter(draft.model, block_size=num_draft or 4, name=draft.name)
 
 
 def _check_same_vocab(draft, target, name: str) -> None:

@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +33,16 @@ from ..scheduling.costs import CostTable, table_key_for
 from ..scheduling.learned import LearnedCosts, machine_id
 from ..scheduling.load_aware import LoadAwarePolicy
 from ..scheduling.policies import make_policy
+
+
+class PaddedEngine(Engine):
+    """The engine on the dense [batch, block] layout of padded verification: every request's block
+    padded to the step's longest with copies of its anchor, computed and then rolled back like
+    rejected drafts. Only to measure what the ragged layout saves ("NAME-padded")."""
+
+    def _block_ids(self, anchor, proposal, width):
+        ids = super()._block_ids(anchor, proposal, width)
+        return ids + [anchor] * (width + 1 - len(ids))
 
 
 def bench_policy(name: str, block: int, cost_table=None, learned: LearnedCosts | None = None, concurrency: int = 1):
@@ -54,16 +65,20 @@ def bench_policy(name: str, block: int, cost_table=None, learned: LearnedCosts |
 
 def closed_loop(target, drafter, policy, prompts: list[list[int]], concurrency: int,
                 max_new_tokens: int, params: SamplingParams, block_size: int,
-                padded: bool = False, label: str | None = None, prefix_caching: bool = False):
+                padded: bool = False, label: str | None = None, prefix_caching: bool = False,
+                listen: Callable[[Engine], None] | None = None):
     """One policy's closed loop as a generator: it yields after every engine step and returns its
     result. Its clock counts only its own work (admissions, steps, collecting finished requests),
     so that loops advanced in turn (`interleave`) each see the time they used; a request's latency
-    is the loop's clock from its admission to its end."""
+    is the loop's clock from its admission to its end. ``listen(engine)``, before the first step:
+    a caller's chance to add its step listener (`dspark bench steps`)."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + block_size + 2
-    engine = Engine(target.model, drafter, policy, max_requests=concurrency, max_len=max_len,
-                    block_size=block_size, eos_ids=target.eos_token_ids, padded=padded,
-                    prefix_caching=prefix_caching)
+    engine = (PaddedEngine if padded else Engine)(target.model, drafter, policy, max_requests=concurrency,
+                                                  max_len=max_len, block_size=block_size,
+                                                  eos_ids=target.eos_token_ids, prefix_caching=prefix_caching)
     drafter.reset()
+    if listen is not None:
+        listen(engine)
     queue = list(prompts)
     live: list[tuple[Request, float]] = []   # (request, clock at admission)
     latency: list[tuple[int, float]] = []   # (output tokens, seconds) of each ended request
@@ -150,12 +165,12 @@ def run_concurrency_bench(args) -> int:
     levels = args.concurrency
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        bench_policy(p, args.block)  # validate names before loading anything
+        bench_policy(p, args.num_draft)  # validate names before loading anything
     target = target_from_args(args)
     # one drafter per policy: the policies' loops run in turn, and a drafter holds its requests' state
-    drafters = {name: load_drafter(args.drafter, target, block_size=args.block) for name in policies}
+    drafters = {name: load_drafter(args.drafter, target, num_draft=args.num_draft) for name in policies}
     drafter = drafters[policies[0]]
-    block = args.block or drafter.block_size
+    block = args.num_draft or drafter.block_size
     # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
     cost_table = CostTable.find(table_key_for(target, drafter), warn=any(p.split("-")[0] in ("prefix", "async")
                                                                             for p in policies))

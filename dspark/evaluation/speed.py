@@ -210,7 +210,7 @@ def _runners(systems: list[str], target, args) -> tuple[dict, dict[str, str]]:
         elif _base(s) in POLICY_SYSTEMS:
             name, _, pol = s.partition("@")
             drafter = (NgramDrafter(block_size=args.num_draft or 10) if name == "ngram"
-                       else load_drafter(name, target, block_size=args.num_draft))
+                       else load_drafter(name, target, num_draft=args.num_draft))
             runners[s] = _ours_system(target, drafter, max_new, eos, temp, seed,
                                       _policy_factory(pol, target, drafter) if pol else None)
         elif s == "ngram-hf-rule":

@@ -19,9 +19,9 @@ class AsyncPolicy(LoadAwarePolicy[LoadAwareState]):
 
     name = "async"
 
-    def __init__(self, cost_table=None, block: int | None = None, lag: int = 2, probe_every: int = 8,
+    def __init__(self, cost_table=None, num_draft: int | None = None, lag: int = 2, probe_every: int = 8,
                  probe_budget: float = 0.01, reference_every: int = 64):
-        super().__init__(cost_table, block, probe_every, probe_budget, reference_every)
+        super().__init__(cost_table, num_draft, probe_every, probe_budget, reference_every)
         self.history: deque = deque(maxlen=lag)
         self.capacity = 0
 

@@ -81,7 +81,7 @@ class AutoPolicy(Policy):
         # break-even, and such steps ran dearer than priced (a ragged layout of many requests) with
         # fewer tokens accepted than promised; steps whose gain clears the hurdle (an answer's first
         # steps) still verify. At one request a step's price is its block's and the gains are large:
-        # a hurdle there only drops tokens that pay. The measurements: docs/scheduling.md.
+        # a hurdle there only drops tokens that pay. The measurements: docs/auto.md.
         inner.cost.hurdle = hurdle
         inner.reprice(costs.table(max_requests))
 

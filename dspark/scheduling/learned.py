@@ -13,7 +13,7 @@ the forward's cost depends mostly on its rows, whichever request they serve, so 
 always admit someone (many short requests) learns as well as one that only decodes. Mostly: a
 decoding step of R requests pays per request (R contexts attended, R ragged blocks laid out) what a
 prefill of as many rows does not, and a few verified tokens per request cost it more per row than
-a prompt's rows (docs/scheduling.md, "auto"). So decoding steps are also kept by their load: a decoding
+a prompt's rows (docs/auto.md). So decoding steps are also kept by their load: a decoding
 step is priced from the decoding steps seen at about its number of requests, by the tokens it
 verified beyond the anchors (fine-grained where they are few: the first verified token of a step
 costs it more than the next ones, a block laid out and attended beside the decoding rows), and

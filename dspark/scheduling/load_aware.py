@@ -63,11 +63,11 @@ class LoadAwarePolicy(Policy, Generic[St]):
     converse: while drafting pays, one step in ``reference_every + 1`` runs plain, so that the cost
     model keeps comparing drafting steps with plain steps of the same minutes (see CostModel)."""
 
-    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
+    def __init__(self, cost_table=None, num_draft: int | None = None, probe_every: int = 8,
                  probe_budget: float = 0.01, reference_every: int = 64, recent: int = 64):
         self.cost = CostModel(cost_table)
-        self.block = block
-        self.profile = AcceptanceProfile(block or 7)
+        self.num_draft = num_draft
+        self.profile = AcceptanceProfile(num_draft or 7)
         self.states: RequestStates[St] = RequestStates(self._new_state)
         self.probe_every = probe_every
         self.probe_budget = probe_budget
@@ -163,7 +163,7 @@ class LoadAwarePolicy(Policy, Generic[St]):
 
     # ------------------------------------------------------------------ shared decisions
     def _refresh(self, requests, block_size) -> int:
-        cap = self.block or block_size
+        cap = self.num_draft or block_size
         if len(self.profile.tries) < cap:
             self.profile = AcceptanceProfile(cap)
         self._learn(requests)

@@ -30,13 +30,13 @@ class FixedPolicy(Policy):
 
     name = "fixed"
 
-    def __init__(self, block: int | None = None):
-        if block is not None and block < 0:
-            raise UsageError(f"block must be >= 0, got {block}")
-        self.block = block
+    def __init__(self, num_draft: int | None = None):
+        if num_draft is not None and num_draft < 0:
+            raise UsageError(f"num_draft must be >= 0, got {num_draft}")
+        self.num_draft = num_draft
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
-        return [block_size if self.block is None else self.block] * len(requests)
+        return [block_size if self.num_draft is None else self.num_draft] * len(requests)
 
 
 class MTP1Policy(FixedPolicy):
@@ -53,14 +53,14 @@ class ThresholdPolicy(Policy):
 
     name = "threshold"
 
-    def __init__(self, threshold: float = 0.5, block: int | None = None):
+    def __init__(self, threshold: float = 0.5, num_draft: int | None = None):
         if not 0.0 <= threshold <= 1.0:
             raise UsageError(f"threshold must be in [0, 1], got {threshold}")
-        self.threshold, self.block = threshold, block
+        self.threshold, self.num_draft = threshold, num_draft
         self.name = f"threshold-{threshold:g}"
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
-        return [self.block or block_size] * len(requests)
+        return [self.num_draft or block_size] * len(requests)
 
     def verify_lengths(self, requests, proposals):
         out = []
@@ -87,10 +87,10 @@ class EMAPolicy(Policy):
 
     name = "ema"
 
-    def __init__(self, alpha: float = 0.3, block: int | None = None, margin: int = 1):
+    def __init__(self, alpha: float = 0.3, num_draft: int | None = None, margin: int = 1):
         if not 0.0 < alpha <= 1.0:
             raise UsageError(f"EMA alpha must be in (0, 1], got {alpha}")
-        self.alpha, self.block, self.margin = alpha, block, margin
+        self.alpha, self.num_draft, self.margin = alpha, num_draft, margin
         self.states: RequestStates[EMAState] = RequestStates(EMAState)
 
     def observe(self, outcome: StepOutcome) -> None:
@@ -102,7 +102,7 @@ class EMAPolicy(Policy):
         self.states.drop(outcome.ended)
 
     def draft_lengths(self, requests, block_size, free: Sequence[int] | None = None):
-        cap = self.block or block_size
+        cap = self.num_draft or block_size
         out = []
         for r in requests:
             st = self.states[r.id]
@@ -118,14 +118,14 @@ class EMAPolicy(Policy):
 POLICY_NAMES = ("plain", "mtp1", "fixed", "threshold", "ema", "prefix", "async")
 
 
-def make_policy(name: str, block: int | None = None, *, cost_table=None, threshold: float = 0.5,
+def make_policy(name: str, num_draft: int | None = None, *, cost_table=None, threshold: float = 0.5,
                 ema_alpha: float = 0.3) -> Policy:
     """A policy by name; ``threshold-X`` sets the threshold inline (e.g. threshold-0.7)."""
     name = name.strip().lower()
     if name == "plain":
         return PlainPolicy()
     if name == "fixed":
-        return FixedPolicy(block)
+        return FixedPolicy(num_draft)
     if name == "mtp1":
         return MTP1Policy()
     if name == "threshold" or name.startswith("threshold-"):
@@ -134,11 +134,11 @@ def make_policy(name: str, block: int | None = None, *, cost_table=None, thresho
                 threshold = float(name.split("-", 1)[1])
             except ValueError:
                 raise UsageError(f"policy {name!r}: expected threshold-X with X a number") from None
-        return ThresholdPolicy(threshold, block)
+        return ThresholdPolicy(threshold, num_draft)
     if name == "ema":
-        return EMAPolicy(ema_alpha, block)
+        return EMAPolicy(ema_alpha, num_draft)
     if name == "prefix":
-        return PrefixPolicy(cost_table, block)
+        return PrefixPolicy(cost_table, num_draft)
     if name == "async":
-        return AsyncPolicy(cost_table, block)
+        return AsyncPolicy(cost_table, num_draft)
     raise UsageError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

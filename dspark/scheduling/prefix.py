@@ -62,9 +62,9 @@ class PrefixPolicy(LoadAwarePolicy[PrefixState]):
     # few steps late loses little)
     free_rest_after = 16
 
-    def __init__(self, cost_table=None, block: int | None = None, probe_every: int = 8,
+    def __init__(self, cost_table=None, num_draft: int | None = None, probe_every: int = 8,
                  probe_budget: float = 0.01, reference_every: int = 64, recent: int = 64):
-        super().__init__(cost_table, block, probe_every, probe_budget, reference_every, recent)
+        super().__init__(cost_table, num_draft, probe_every, probe_budget, reference_every, recent)
         self.free_profile = FreeProfiles(16)   # the lookups' own acceptance by strength, from 1/2
         self._held: _HeldDepth | None = None
         self._quiet = 0                         # steps verifying nothing since a free proposal was explored

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..engine import Engine, RequestOptions
-from ..errors import DsparkError
+from ..errors import DsparkError, UsageError
 from ..runtime.allocator import release_memory
 from .door import text as _text
 from .metrics import Metrics
@@ -71,8 +71,10 @@ class EngineWorker:
     runs it on a thread of its own instead (tests)."""
 
     def __init__(self, engine: Engine, metrics: Metrics):
+        if not engine.isolate_failures:     # one request's failure must end it alone, with an error event
+            raise UsageError("a server's engine ends a failing request alone: build it with "
+                             "Engine(..., isolate_failures=True) or serving_engine")
         self.engine = engine
-        engine.isolate_failures = True   # a failure serving one request ends it alone, with an error event
         self.metrics = metrics
         self._commands: deque = deque()
         self._wake = threading.Condition()

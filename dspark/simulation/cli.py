@@ -50,7 +50,8 @@ def add_parser(sub, cli) -> None:
     p.add_argument("--policies", default=None,
                    help="comma list of plain, mtp1, fixed, threshold-X, ema, prefix, async, auto, auto-fresh (default: plain,mtp1,fixed,auto; "
                         "with --validate: plain,fixed,auto)")
-    p.add_argument("--block", type=positive_int, default=7, help="drafted tokens per round at most")
+    p.add_argument("--num-draft", type=positive_int, default=7, help="drafted tokens per round at most")
+    p.add_argument("--block", type=positive_int, dest="num_draft", help=argparse.SUPPRESS)
     p.add_argument("--concurrency", type=int_list(1), default=None,
                    help="closed-loop clients, each keeping one request in flight (default: 1,2,4,...,128; "
                         "with --validate: 1,4,16,32)")

@@ -210,11 +210,11 @@ def run_simulate(args) -> int:
             raise UsageError(f"unknown policy {p!r}; choose from {', '.join(SIM_POLICIES)} or threshold-X")
     if args.rate and args.sla:
         raise UsageError("--sla applies to a --concurrency sweep")
-    acceptance = AcceptanceModel.load(args.acceptance, args.block)
+    acceptance = AcceptanceModel.load(args.acceptance, args.num_draft)
     mtp1 = AcceptanceModel.load(args.mtp1_acceptance, 1) if args.mtp1_acceptance else None
     costs, target = _costs(args)
     jobs = _jobs(args, acceptance, target)
-    scen = Scenario(costs, acceptance, jobs, args.block, mtp1, args.max_requests, not args.no_decisions, args.seed,
+    scen = Scenario(costs, acceptance, jobs, args.num_draft, mtp1, args.max_requests, not args.no_decisions, args.seed,
                     prefill=not args.disaggregated_prefill)
     results = []
     for name in policies:

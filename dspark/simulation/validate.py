@@ -121,7 +121,7 @@ def run_validation(args) -> int:
     target = target_from_args(args)
     drafters = {name: load_drafter(args.drafter, target) for name in policies}
     drafter = drafters[policies[0]]
-    block = min(args.block, drafter.block_size)
+    block = min(args.num_draft, drafter.block_size)
     prompts, labels = _workload(target, datasets, n)
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
 

@@ -1,6 +1,6 @@
 """Starting a larger drafter from a smaller one's weights, with the function it computes unchanged.
 
-A drafter that has stopped improving at its size (see docs/training.md) is worth growing rather
+A drafter that has stopped improving at its size (docs/lineage.md, the seventh stage) is worth growing rather
 than training from scratch: the weights it learned over hours carry over, and the new capacity
 starts silent, so the first step of the new run drafts exactly what the saved drafter drafted.
 

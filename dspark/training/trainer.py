@@ -463,6 +463,31 @@ def _gradients(model, source, batch: list[int], mine: list[int], step: int, weig
     return sums, count, step_anchors
 
 
+def _step(model, opt, params: list, source, step: int, total: int, weights: torch.Tensor, loss_name: str,
+          tcfg: TrainConfig, rank: int, world: int) -> tuple[dict, int]:
+    """One optimiser step at ``step`` of ``total``: its batch, learning rate, gradients and update.
+    Returns its record (mean loss terms over the batch) and the anchors it trained."""
+    n = len(source)
+    batch = _batch(step, n, math.ceil(n / tcfg.batch_size), tcfg)
+    lr = lr_at(step, total, tcfg)
+    for grp in opt.param_groups:
+        grp["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    sums, count, step_anchors = _gradients(model, source, batch, batch[rank::world], step, weights,
+                                           model.config.kind, loss_name, tcfg, params, world)
+    gnorm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
+    opt.step()
+    rec = {"step": step + 1, "lr": lr, "grad_norm": gnorm, **{k: v / max(1, count) for k, v in sums.items() if v}}
+    return rec, step_anchors
+
+
+def _finish(model, out: Path, tcfg: TrainConfig, history: list, log) -> None:
+    """The whole schedule ran: the drafter, and how it was trained."""
+    model.save(out)
+    (out / "train_log.json").write_text(json.dumps({"train": asdict(tcfg), "history": history}))
+    log(f"saved drafter to {out}")
+
+
 def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainConfig | None = None, *,
           draft_vocab: torch.Tensor | None = None, heldout=None, progress: bool = True, log=print) -> dict:
     """``heldout``: a source of held-out sequences for the held-out signal (with ``eval_every``)."""
@@ -474,26 +499,23 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     out = Path(out_dir)
     ckpt = _checkpoint(out)
-    n = len(source)
     torch.manual_seed(tcfg.seed)
     model = _drafter_model(source, drafter_config, target, tcfg, ckpt, draft_vocab, rank, log)
-    drafter_config = model.config
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(n / tcfg.batch_size)
-    total = max(1, round(tcfg.epochs * steps_per_epoch))
+    total = max(1, round(tcfg.epochs * math.ceil(len(source) / tcfg.batch_size)))
     stop = min(total, tcfg.max_steps or total)
     step, history, saved_weights = _load_checkpoint(ckpt, model, opt) if ckpt.exists() else (0, [], None)
-    if rank == 0 and ckpt.exists():
-        log(f"resuming from {ckpt} at step {step}/{total}")
-    g = drafter_config.block_size
+    g = model.config.block_size
     weights = torch.tensor(saved_weights or (position_weights(g, tcfg.loss_decay) if not measured else [1.0] * g))
-    kind = drafter_config.kind
     held_seqs = None
     if rank == 0:
-        log(f"train {kind}: {n} sequences, {source.num_tokens} tokens, {total} steps of {tcfg.batch_size} "
-            f"sequences, {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, draft vocab "
-            f"{model.config.draft_vocab_size}, loss {loss_name}, {tcfg.schedule} schedule, {world} process(es)")
+        if ckpt.exists():
+            log(f"resuming from {ckpt} at step {step}/{total}")
+        log(f"train {model.config.kind}: {len(source)} sequences, {source.num_tokens} tokens, {total} steps of "
+            f"{tcfg.batch_size} sequences, {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, "
+            f"draft vocab {model.config.draft_vocab_size}, loss {loss_name}, {tcfg.schedule} schedule, "
+            f"{world} process(es)")
         out.mkdir(parents=True, exist_ok=True)
         held_seqs = _held_out(heldout) if heldout is not None and tcfg.eval_every else None
     anchors_seen = int(history[-1].get("anchors_seen", 0)) if history else 0
@@ -510,19 +532,9 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
     if held_seqs is not None and step == 0:
         signal()
     while step < stop:
-        batch = _batch(step, n, steps_per_epoch, tcfg)
-        lr = lr_at(step, total, tcfg)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        sums, count, step_anchors = _gradients(model, source, batch, batch[rank::world], step, weights, kind,
-                                               loss_name, tcfg, params, world)
-        anchors_seen += step_anchors
-        gnorm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
-        opt.step()
-        step += 1
-        history.append({"step": step, "lr": lr, "grad_norm": gnorm, "anchors_seen": anchors_seen,
-                        **{k: v / max(1, count) for k, v in sums.items() if v}})
+        rec, step_anchors = _step(model, opt, params, source, step, total, weights, loss_name, tcfg, rank, world)
+        step, anchors_seen = step + 1, anchors_seen + step_anchors
+        history.append({**rec, "anchors_seen": anchors_seen})
         _show(bar, history[-1], total, rank == 0 and (step % tcfg.log_every == 0 or step == stop), t0)
         if held_seqs is not None and (step % tcfg.eval_every == 0 or step == stop):
             signal()
@@ -531,10 +543,8 @@ def train(source, drafter_config: DrafterConfig, out_dir, target, tcfg: TrainCon
             _save_checkpoint(ckpt, model, opt, step, history, tcfg, weights.tolist())
             last_save = time.perf_counter()
     bar.close()
-    if rank == 0 and step >= total:     # the whole schedule ran: the drafter, and how it was trained
-        model.save(out)
-        (out / "train_log.json").write_text(json.dumps({"train": asdict(tcfg), "history": history}))
-        log(f"saved drafter to {out}")
+    if rank == 0 and step >= total:
+        _finish(model, out, tcfg, history, log)
     if world > 1:
         dist.barrier()
-    return {"steps": step, "total_steps": total, "history": history[-1:] }
+    return {"steps": step, "total_steps": total, "history": history[-1:]}
