@@ -1,5 +1,5 @@
 """Resident memory of `dspark serve`'s start-up, step by step (imports, the target, the drafter, the
-engine with its KV cache, the app), read from /proc/self/statm: docs/serving.md's memory table.
+engine with its KV cache, the app), read from /proc/self/statm: docs/limits.md's memory table.
 
     python scripts/serve_memory.py --drafter auto --max-requests 16 --max-len 2048
 """
@@ -32,7 +32,7 @@ def main() -> None:
     drafter = load_drafter(args.drafter, target)
     print(f"the drafter ({args.drafter}): {resident_mb():.0f} MB")
     engine = Engine(target.model, drafter, max_requests=args.max_requests, max_len=args.max_len,
-                    block_size=drafter.block_size, eos_ids=target.eos_token_ids)
+                    block_size=drafter.block_size, eos_ids=target.eos_token_ids, isolate_failures=True)
     cache = sum(t.numel() * t.element_size() for part in (engine.cache.k, engine.cache.v)
                 for t in (part if isinstance(part, list) else [part])) / 2 ** 20
     print(f"the engine: {resident_mb():.0f} MB (KV cache {cache:.0f} MB)")

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The start-up of `dspark serve` as a client sees it: docs/serving.md's start-up table.
+# The start-up of `dspark serve` as a client sees it: docs/limits.md's start-up table.
 #   scripts/serve_startup.sh PORT [serve flags...]
 # Seconds from launch to /health, to a first 8-token answer, then a 32-token answer every 15 s
 # until /health says the compiled graphs are in use, and one after; resident size at the first answer.

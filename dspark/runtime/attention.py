@@ -4,14 +4,14 @@ segments of decoding and verification, all requests of a step in one product (``
 Each request's keys and values live in its own cache slot ``[Hkv, S, hd]`` (runtime/kv_cache.py).
 A decoding step of R requests attends R times over tiny shapes (three query heads per KV head
 against a few hundred keys), where the per-call cost, not the arithmetic, is most of the time
-(docs/speed.md). ``SlotBatch`` runs those segments as one batched product over the slots
+(docs/runtime.md). ``SlotBatch`` runs those segments as one batched product over the slots
 they occupy, the cache read in place (``k[lo:hi, :, :S]`` is a strided view; the allocator hands
 out the lowest free slot, so a step's requests sit in a compact range): every query row against
 the keys up to the longest segment's end, the rest masked. Segments whose slots are spread over
 more than twice their number (the few requests of a step that verify a block among many that only
 decode) have their slots' keys and values gathered first, up to the longest end: one copy, where
-one product per segment per layer costs more (docs/speed.md, ``scripts/attention_time.py
---ragged``). With many long contexts the fp32 cache's bandwidth bounds both ways alike.
+one product per segment per layer costs more (docs/runtime.md). With many long contexts the fp32
+cache's bandwidth bounds both ways alike.
 
 Softmax in fp32 whatever the cache dtype, as transformers does. Not batch-invariant (a row's
 scores over a longer, masked span round differently in the last bits): runtime/invariant.py is
@@ -95,7 +95,7 @@ class SlotBatch:
         """The batches of a forward's short segments: the one-row segments (decoding) in one, the
         longer ones (verification blocks) in another. One batch pads every segment to the longest,
         so a step of 32 decoding requests in which one verifies a block of 8 would attend as 32
-        blocks of 8 (several times the time of 32 rows, ``scripts/attention_time.py``); apart, the
+        blocks of 8, which costs several times what 32 rows do (docs/runtime.md); apart, the
         decoding rows keep their cost and the blocks add theirs. Segments in no batch
         (prefill chunks, a group of one) attend on their own."""
         short = [i for i, (_, n) in enumerate(segments) if n <= cls.MAX_ROWS]

@@ -10,7 +10,8 @@ wrapper calls the kernels without Python between them (gpt-fast's compiled decod
 CPU). For the products it measures, per weight shape, its own generated kernel (a micro-kernel on
 AMX tiles) against oneDNN's packed one (what the eager path runs, runtime/linear.py) and keeps the
 faster (max-autotune): a one-row product streams its weight once, and on a CPU with AMX
-inductor's kernel streams it faster (docs/speed.md). On a CPU without AMX the measurement is among oneDNN's kernels alone (``gemm_backends``).
+inductor's kernel streams it faster (docs/runtime.md). On a CPU without AMX the measurement is
+among oneDNN's kernels alone (``gemm_backends``).
 
 Two graphs cover every one-request forward of at most ``MAX_ROWS`` rows: one row (a decoding step)
 and a block (a verification; the row count stays symbolic, as do the context length and the cache's
@@ -55,7 +56,7 @@ def gemm_backends(amx: bool) -> str:
     oneDNN's only where the CPU has AMX tiles. Without them the template's micro-kernel widens bf16
     to fp32 vectors; timed alone, its weight in cache, it wins some shapes, but in a whole one-row
     forward, every weight streaming from memory, it lost to oneDNN's kernels alone on an AVX-512
-    BF16 CPU without AMX (docs/speed.md, scripts/compiled_time.py)."""
+    BF16 CPU without AMX (docs/runtime.md)."""
     return "CPP,ATEN" if amx else "ATEN"
 
 

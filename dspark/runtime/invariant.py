@@ -10,10 +10,9 @@ bits; bf16 rounding turns such differences into flipped near-ties. Here a query 
 with zero rows to ``MIN_QUERY_ROWS``, and each row meets the values over its key count rounded up
 to ``KEY_BUCKET`` (the extra keys masked: probabilities exactly 0) whatever block it is in; scores
 and softmax were invariant already (masked columns add exact zeros). The linear layers' part lives
-in runtime/linear.py (``rows_alike``: a single row multiplied as the first of two). The price on
-that VM, packed runtime: 17 % of a forward at one request, 11 % for 32 decoding rows, 3 % for
-blocks of 8 (scripts/forward_time.py --invariant, see README). vLLM's batch-invariant mode makes
-the same trade.
+in runtime/linear.py (``rows_alike``: a single row multiplied as the first of two). Padding and
+wider value products cost every forward some time, most at one decoding row, so the mode is off by
+default (its price: docs/identity.md); vLLM's batch-invariant mode makes the same trade.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ head, the trained drafters' serving weights) are packed once, at load time, into
 layout, the layout torch's own compiler uses for frozen CPU linears
 (``mkldnn::_reorder_linear_weight`` / ``_linear_pointwise``). A packed product gives exactly the
 bits of ``F.linear`` (checked once per process on a probe before anything is packed, else nothing
-is packed) and runs faster for a few rows and no slower for many (docs/speed.md;
-``scripts/forward_time.py --against`` for whole forwards). A weight shape
+is packed) and runs faster for a few rows and no slower for many (docs/runtime.md). A weight shape
 keeps a row's bits up to some row count (``rows_alike_limit``, checked once per shape on random
 inputs): the batch-invariant mode multiplies its rows in chunks no larger than that, so a row gets
 the same bits whatever the batch, and other products take any number of rows at once (where
@@ -15,7 +14,7 @@ oneDNN switches kernels depends on the CPU's instruction sets, hence the check o
 
 fp32 weights are packed as well where oneDNN packs them (``fp32_packing_available``): a target's
 layers (``pack(w, fp32=True)``) always, since whole forwards run faster with them packed at every
-load measured, from prefill to decoding (docs/speed.md; timed one product at a time, the small
+load measured, from prefill to decoding (docs/avx2.md; timed one product at a time, the small
 layers show no gain, their weights staying in the caches); its LM head (``pack_head``) where,
 timed once per shape, packed products of 8 and of 16 rows run faster than the dense path.
 ``DSPARK_PACKED_FP32=0`` keeps every fp32 weight plain. oneDNN's fp32 kernels round otherwise than
@@ -25,8 +24,8 @@ timed once per shape, packed products of 8 and of 16 rows run faster than the de
 Where packing is not available (another device, a torch without oneDNN, a probe that disagrees,
 ``DSPARK_PACKED_LINEAR=0``), weights stay plain tensors and ``linear`` takes the dense
 path: one bf16 row as a matrix-vector product and a few rows as ``w @ x.T``, the faster layouts
-measured (docs/speed.md); a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is
-faster than ``F.linear`` (``transposed_faster``: it is on CPUs with AVX2 alone, for large weights);
+measured; a few fp32 rows as ``w @ x.T`` where, timed once per weight shape, that is faster than
+``F.linear`` (``transposed_faster``: it is on CPUs with AVX2 alone, for large weights, docs/avx2.md);
 ``F.linear`` for everything else.
 """
 
