@@ -5,13 +5,21 @@ Building the target's and the trained drafter's one-request graphs takes minutes
 disk cache. A server that built them first would answer nothing for that long. So `dspark serve`
 answers from the start with the eager forwards while a thread builds every graph on scratch
 caches, and switches to them, all at once, when the last is built: a forward reads which graphs
-to use once, so a step runs wholly eager or wholly compiled. The first minutes are served more
-slowly (the build shares the cores); nothing is served differently than the eager engine would.
+to use once, so a step runs wholly eager or wholly compiled. Nothing is served differently than the
+eager engine would.
+
+The build shares the cores and Python's lock with the engine, so it gives way: its thread and the
+C++ compilers it starts run at the lowest priority, and the lock changes hands ten times as often
+while it lasts: otherwise the engine's thread team waits on the compilers at every parallel
+operator and on the lock between operators, and a request served meanwhile takes many times its
+eager time (docs/limits.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +34,14 @@ def trained_part(drafter):
         if part is not None and hasattr(part, "build_graphs"):
             return part
     return None
+
+
+def _lowest_priority() -> None:
+    """The calling thread (and the processes it starts) at nice 19, where the system allows it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):     # not Linux, or not permitted: the build runs as it is
+        pass
 
 
 class GraphBuilder:
@@ -54,9 +70,15 @@ class GraphBuilder:
         threads, workers = torch.get_num_threads(), inductor.compile_threads
         torch.set_num_threads(max(1, threads - 1))
         inductor.compile_threads = 1
+        # the engine first: this thread and the C++ compilers it starts run at the lowest priority,
+        # and Python's lock changes hands ten times as often while the build holds it in between
+        _lowest_priority()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(switch / 10)
         try:
             self._build(t)
         finally:
+            sys.setswitchinterval(switch)
             torch.set_num_threads(threads)
             inductor.compile_threads = workers
 

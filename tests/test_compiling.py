@@ -45,6 +45,27 @@ def test_graphs_are_used_only_once_all_are_built():
     assert lines[:2] == ["built target", "built drafter"] and "in use" in lines[-1]
 
 
+def test_the_build_gives_way_to_the_engine_and_restores_the_lock_interval():
+    """The build's thread runs at the lowest priority (raising one's own nice is always allowed)
+    and hands Python's lock over more often while it builds; the interval is restored after."""
+    import os
+    import sys
+    seen = {}
+
+    class Probe(_Part):
+        def build_graphs(self):
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            seen["switch"] = sys.getswitchinterval()
+            return super().build_graphs()
+    before = sys.getswitchinterval()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    b = GraphBuilder(Probe("target"), None, say=lambda line: None).start()
+    b.thread.join(5)
+    assert b.state == "compiled" and seen["nice"] == 19 and seen["switch"] < before
+    assert sys.getswitchinterval() == before
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine     # only the build's thread
+
+
 def test_a_failed_build_leaves_the_eager_forwards():
     target, drafter = _Part("target"), _Part("drafter", fail=True)
     lines = []
