@@ -60,6 +60,19 @@ def _non_negative_int(s: str) -> int:
     return v
 
 
+def _add_closed_loop_flags(p: argparse.ArgumentParser, drafter: str, num_prompts: int) -> None:
+    """The flags of the engine's closed-loop benches (concurrency, steps): what drafts, which
+    prompts, how they are sampled, and the model flags (2 threads)."""
+    p.add_argument("--drafter", default=drafter)
+    p.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
+    p.add_argument("--num-prompts", type=_positive_int, default=num_prompts)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=_float, default=0.0)
+    p.add_argument("--seed", type=_int, default=0)
+    _add_model_flags(p)
+    p.set_defaults(threads=2)
+
+
 def _add_model_flags(p: argparse.ArgumentParser, compile_default: bool = False) -> None:
     p.add_argument("--target", default=None,
                    help="bundled model name, Hugging Face model folder or .gguf file "
@@ -253,15 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-draft", type=_non_negative_int, default=7,
                    help="tokens drafted per round (the fixed policy's whole block; the others' cap)")
     c.add_argument("--block", type=_non_negative_int, dest="num_draft", help=argparse.SUPPRESS)
-    c.add_argument("--drafter", default="ngram")
-    c.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
-    c.add_argument("--num-prompts", type=_positive_int, default=32)
-    c.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    c.add_argument("--temperature", type=_float, default=0.0)
-    c.add_argument("--seed", type=_int, default=0)
+    _add_closed_loop_flags(c, drafter="ngram", num_prompts=32)
     c.add_argument("--plot", default=None, help="write the Pareto PNG here")
-    _add_model_flags(c)
-    c.set_defaults(threads=2)
     c.add_argument("--json", action="store_true")
 
     st = bsub.add_parser("steps", help="where an engine step's time goes, per policy, at one concurrency "
@@ -270,14 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--concurrency", type=_positive_int, default=16)
     st.add_argument("--num-draft", type=_non_negative_int, default=None,
                     help="tokens drafted per round (default: the drafter's block size)")
-    st.add_argument("--drafter", default="ngram+dspark")
-    st.add_argument("--datasets", default="humaneval,gsm8k,mt-bench")
-    st.add_argument("--num-prompts", type=_positive_int, default=64)
-    st.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    st.add_argument("--temperature", type=_float, default=0.0)
-    st.add_argument("--seed", type=_int, default=0)
-    _add_model_flags(st)
-    st.set_defaults(threads=2)
+    _add_closed_loop_flags(st, drafter="ngram+dspark", num_prompts=64)
     st.add_argument("--json", action="store_true", help="print the summary and every step as JSON")
 
     from . import cli_training

@@ -161,16 +161,22 @@ def combine_runs(runs: list[dict]) -> dict:
     return _with_rates(out)
 
 
-def run_concurrency_bench(args) -> int:
-    levels = args.concurrency
+def bench_setup(args) -> tuple[list[str], object, dict, int]:
+    """(the policies by name, the target, a drafter per policy, the draft length) of a closed-loop
+    bench's arguments; the names are checked before anything is loaded. One drafter per policy:
+    the policies' loops run in turn, and a drafter holds its requests' state."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        bench_policy(p, args.num_draft)  # validate names before loading anything
+        bench_policy(p, args.num_draft)
     target = target_from_args(args)
-    # one drafter per policy: the policies' loops run in turn, and a drafter holds its requests' state
     drafters = {name: load_drafter(args.drafter, target, num_draft=args.num_draft) for name in policies}
+    return policies, target, drafters, args.num_draft or drafters[policies[0]].block_size
+
+
+def run_concurrency_bench(args) -> int:
+    levels = args.concurrency
+    policies, target, drafters, block = bench_setup(args)
     drafter = drafters[policies[0]]
-    block = args.num_draft or drafter.block_size
     # the cost table of this (target, drafter, dtype, device); warns and names `dspark profile` if absent
     cost_table = CostTable.find(table_key_for(target, drafter), warn=any(p.split("-")[0] in ("prefix", "async")
                                                                             for p in policies))

@@ -18,14 +18,12 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from ..drafters import load_drafter
 from ..engine import Engine
-from ..runtime.loading import target_from_args
 from ..sampling import SamplingParams
 from ..scheduling.auto import learned_costs
 from ..scheduling.base import StepOutcome
 from ..scheduling.costs import CostTable, table_key_for
-from .concurrency import _bench_prompts, bench_policy, closed_loop, interleave
+from .concurrency import _bench_prompts, bench_policy, bench_setup, closed_loop, interleave
 
 
 @dataclass(frozen=True)
@@ -103,13 +101,8 @@ def _report(name: str, s: dict) -> None:
 
 
 def run_steps_bench(args) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for p in policies:
-        bench_policy(p, args.num_draft)   # validate names before loading anything
-    target = target_from_args(args)
-    drafters = {name: load_drafter(args.drafter, target, num_draft=args.num_draft) for name in policies}
+    policies, target, drafters, block = bench_setup(args)
     drafter = drafters[policies[0]]
-    block = args.num_draft or drafter.block_size
     table = CostTable.find(table_key_for(target, drafter), warn=False)
     learned = learned_costs(target, drafter) if any(p.startswith("auto") for p in policies) else None
     prompts = _bench_prompts(target, args.datasets, args.num_prompts)
