@@ -120,3 +120,13 @@ def test_the_budget_split_counts_what_an_interrupted_stage_spent(tmp_path):
     r.state.spent["prompts"] = 0.0
     todo = 1 - SHARES["prompts"] - SHARES["regenerate"]
     assert r.left("train-dspark") == pytest.approx((3600 - 600) * SHARES["train-dspark"] / todo)
+
+
+def test_a_scaling_worse_than_none_on_the_held_out_split_is_not_kept():
+    """The recipe keeps the fitted STS only where the held-out split's ECE (all positions, weighted
+    by their blocks) is no worse than the head's raw confidences'."""
+    from dspark.training.recipe import kept_scaling
+    better = [{"blocks": 100, "ece_before": 0.14, "ece_after": 0.05}, {"blocks": 40, "ece_before": 0.10, "ece_after": 0.12}]
+    assert kept_scaling(better, [0.8, 1.2], [0.1, -0.2]) == ([0.8, 1.2], [0.1, -0.2], True)
+    worse = [{"blocks": 100, "ece_before": 0.141, "ece_after": 0.152}, {"blocks": 40, "ece_before": 0.10, "ece_after": 0.09}]
+    assert kept_scaling(worse, [0.8, 1.2], [0.1, -0.2]) == ([1.0, 1.0], [0.0, 0.0], False)

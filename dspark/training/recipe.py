@@ -54,6 +54,18 @@ SHARES = {"prompts": 0.0, "regenerate": 0.30, "train-dspark": 0.25, "train-dflas
           "evaluate": 0.14, "export": 0.0}
 HELDOUT = 0.05
 PROBE_STEPS = 3
+MIN_CALIB_BLOCKS = 1000     # per split and regime: with 100, the fit was worse than none (docs/training.md)
+
+
+def kept_scaling(report: list[dict], temps, shifts) -> tuple[list[float], list[float], bool]:
+    """The fitted per-position scaling if, on the held-out split's ``report`` (calibrate.report),
+    its ECE summed over positions, each weighted by its blocks, is no worse than the head's own
+    confidences'; else the identity (T = 1, no shift). And whether the fit was kept."""
+    after = sum(p["ece_after"] * p["blocks"] for p in report)
+    before = sum(p["ece_before"] * p["blocks"] for p in report)
+    if after <= before:
+        return list(temps), list(shifts), True
+    return [1.0] * len(temps), [0.0] * len(shifts), False
 
 
 @dataclass
@@ -348,7 +360,9 @@ class Recipe:
         drafter = load_trained(self.out / "dspark", self.target)
         prompts = [encode_row(self.target.tokenizer, r) for r in rows]
         # blocks: the stage's time over an estimate of a verified block's cost, two regimes x two splits
-        blocks = self.plan.calib_blocks or int(max(100, min(20000, self.left("calibrate") / 4 / 0.05)))
+        # at least MIN_CALIB_BLOCKS even where earlier stages ran over the budget: fewer fit the
+        # per-position scaling to noise
+        blocks = self.plan.calib_blocks or int(max(MIN_CALIB_BLOCKS, min(20000, self.left("calibrate") / 4 / 0.05)))
         out, cfg = {}, cast("DSparkDrafter", drafter).model.config
         for regime, temperature in (("sampled", 1.0), ("greedy", 0.0)):
             splits = {}
@@ -360,12 +374,17 @@ class Recipe:
                                            temperature=temperature)
             temps, shifts = cal.fit_sts_shift(splits["fit"])
             rep = cal.report(splits["eval"], temps, shifts=shifts)
+            temps, shifts, kept = kept_scaling(rep, temps, shifts)
+            if not kept:
+                self.log(f"calibration ({regime}): the fitted scaling is worse on the held-out split than none "
+                         "(ECE over all positions); the confidences stay as the head gives them")
+                rep = cal.report(splits["eval"], temps, shifts=shifts)
             fitted = [round(t, 4) for t in temps], [round(b, 4) for b in shifts]
             if regime == "greedy":
                 cfg.sts_greedy_temperatures, cfg.sts_greedy_shifts = fitted
             else:
                 cfg.sts_temperatures, cfg.sts_shifts = fitted
-            out[regime] = {"blocks": {k: len(v) for k, v in splits.items()}, "positions": rep}
+            out[regime] = {"blocks": {k: len(v) for k, v in splits.items()}, "positions": rep, "fitted": kept}
             self.log(f"calibration ({regime}): position 1 ECE {rep[0]['ece_before']:.3f} -> {rep[0]['ece_after']:.3f}, "
                      f"AUROC {rep[0]['auroc_after']:.3f}")
         cfg.save(self.out / "dspark")
