@@ -281,6 +281,23 @@ def test_bench_serving_runs_the_server_as_serve_does(capsys):
     assert main(["bench", "serving", "--endpoint", "http://127.0.0.1:9/v1", "--against-engine"]) == 2
 
 
+def test_bench_serving_sends_each_level_prompts_of_its_own(monkeypatch):
+    """Against any endpoint, every concurrency level gets prompts no other level sent: a server that
+    saw a prompt before may copy its old answer (the n-gram lookup's history)."""
+    from dspark.cli import main
+    from dspark.evaluation import serving
+    sent = []
+
+    def fake(url, model, key, messages, c, *rest):
+        sent.append([m[0]["content"] for m in messages])
+        return {"concurrency": c, "total_tokens_per_second": 1.0, "per_user_tokens_per_second": 1.0}
+    monkeypatch.setattr(serving, "_closed_loop", fake)
+    monkeypatch.setattr(serving, "_first_model", lambda url, key: "m")
+    assert main(["bench", "serving", "--endpoint", "http://127.0.0.1:9/v1", "--concurrency", "1,4,16",
+                 "--num-prompts", "12"]) == 0
+    assert [len(s) for s in sent] == [12, 12, 12] and len({t for s in sent for t in s}) == 36
+
+
 def test_bench_serving_times_the_first_token_not_the_role_chunk():
     """A stream opens with the role alone: content "" (ours, vLLM) or null (llama.cpp's server);
     the time to the first token is that of the first chunk with text."""

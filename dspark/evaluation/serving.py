@@ -2,7 +2,10 @@
 
 At concurrency C, C client threads each keep one streaming chat request in flight (plain HTTP,
 reading the server-sent events as they come) until ``num_prompts`` requests have run, the
-datasets' prompts taken in turn (one of each, then the second of each, ...). Reported per
+datasets' prompts taken in turn (one of each, then the second of each, ...). Each concurrency
+level gets prompts of its own (the next ``num_prompts`` of that order), and the untimed warm-up
+the ones after the last level's: a server answering a prompt it answered before lets a drafter
+that learns from its answers (the n-gram lookup's history) copy the old answer. Reported per
 concurrency: total tokens/s (completion tokens over the wall time), per-user tokens/s (mean over
 requests of tokens over latency), time to first token (median and 90th percentile) and latency.
 
@@ -26,6 +29,8 @@ import time
 from urllib.parse import urlsplit
 
 from ..errors import UsageError
+
+WARMUP = 4      # prompts of the untimed warm-up, after every level's
 
 
 def _stream_one(base_url: str, api_key: str | None, body: dict) -> tuple[int, float | None]:
@@ -163,7 +168,11 @@ def run_serving_bench(args) -> int:
     sets = [load_prompts(d) for d in [x.strip() for x in args.datasets.split(",") if x.strip()]]
     if not sets:
         raise UsageError("--datasets names no dataset")
-    texts = [sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])] for i in range(args.num_prompts)]
+    n, levels = args.num_prompts, len(args.concurrency)
+    texts = [sets[i % len(sets)][(i // len(sets)) % len(sets[i % len(sets)])] for i in range(n * levels + WARMUP)]
+    if n * levels + WARMUP > sum(map(len, sets)):
+        print(f"dspark bench serving: {n * levels + WARMUP} prompts asked of {sum(map(len, sets))}: some repeat",
+              file=sys.stderr)
     messages = [[{"role": "user", "content": t}] for t in texts]
     results = []
     if args.endpoint:
@@ -172,8 +181,9 @@ def run_serving_bench(args) -> int:
         model = args.model
         if model is None:
             model = _first_model(args.endpoint, args.api_key)
-        for c in args.concurrency:
-            results.append({"system": "endpoint", **_closed_loop(args.endpoint, model, args.api_key, messages, c,
+        for k, c in enumerate(args.concurrency):
+            results.append({"system": "endpoint", **_closed_loop(args.endpoint, model, args.api_key,
+                                                                  messages[k * n:(k + 1) * n], c,
                                                                   args.max_new_tokens, args.temperature, args.seed)})
             _report(results[-1])
     else:
@@ -199,23 +209,26 @@ def _local(args, messages, texts) -> list[dict]:
     results = []
     # untimed: the first requests of a process pay one-time costs (kernels for new shapes, first
     # touches of the caches) that would fall on whichever system ran first
+    n = args.num_prompts
     local_run(target, drafter, pname, 2, max_len,
-              lambda url: _closed_loop(url, target.name, None, messages[:4], 2, min(16, args.max_new_tokens),
+              lambda url: _closed_loop(url, target.name, None, messages[-WARMUP:], 2, min(16, args.max_new_tokens),
                                        args.temperature, args.seed), args.prefix_caching)
-    for c in args.concurrency:
+    for i, c in enumerate(args.concurrency):
+        level, level_ids = messages[i * n:(i + 1) * n], ids[i * n:(i + 1) * n]
         runs = (["server", "engine"] * args.repeats + ["server"]) if args.against_engine else ["server"] * args.repeats
         got = []
         for system in runs:
             if system == "server":
                 r = local_run(target, drafter, pname, c, max_len,
-                              lambda url, c=c: _closed_loop(url, target.name, None, messages, c, args.max_new_tokens,
-                                                       args.temperature, args.seed), args.prefix_caching)
+                              lambda url, c=c, level=level: _closed_loop(url, target.name, None, level, c,
+                                                                         args.max_new_tokens, args.temperature,
+                                                                         args.seed), args.prefix_caching)
             else:
                 # the engine's own loop seeds every request alike; the server's requests each get seed + i
                 policy, _ = serving_policy(target, drafter, pname, c)
                 params = SamplingParams(temperature=args.temperature, seed=args.seed)
-                e = run_closed_loop(target, drafter, policy, ids, c, args.max_new_tokens, params, drafter.block_size,
-                                    prefix_caching=args.prefix_caching)
+                e = run_closed_loop(target, drafter, policy, level_ids, c, args.max_new_tokens, params,
+                                    drafter.block_size, prefix_caching=args.prefix_caching)
                 r = {k: e[k] for k in ("concurrency", "requests", "tokens", "wall_seconds",
                                        "total_tokens_per_second", "per_user_tokens_per_second")}
             r = {"system": system, "drafter": drafter.name, "policy": pname, **r}
