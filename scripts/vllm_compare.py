@@ -75,21 +75,17 @@ def worker(spec_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the orchestrator, in our venv
-def run_worker(python: str, spec: dict, scratch: Path) -> dict:
+def run_worker(python: str, spec: dict, scratch: Path, threads: int) -> dict:
     path = scratch / "spec.json"
     path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(HERE / "vllm_cpu_triton"), DSPARK_TRITON_CPU_STANDIN="1",
                TRITON_INTERPRET="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND=env_threads())
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")       # its CPU workers, on as many cores as ours
     res = subprocess.run([python, str(Path(__file__).resolve()), "--worker", str(path)], env=env, cwd=scratch,
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"vLLM failed ({spec['draft'] or 'plain'}):\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def env_threads() -> str:
-    return f"0-{max(0, (os.cpu_count() or 1) - 1)}"
 
 
 def main(argv=None) -> int:
@@ -130,11 +126,11 @@ def main(argv=None) -> int:
         scratch = Path(tmp)
         base = {"target": str(target_hf_folder(None)), "prompts": prompts, "max_new_tokens": args.max_new_tokens,
                 "max_model_len": longest + args.max_new_tokens + 16, "num_draft": 7}
-        plain = run_worker(args.vllm_python, {**base, "draft": None}, scratch)["benchmarks"]
+        plain = run_worker(args.vllm_python, {**base, "draft": None}, scratch, args.threads)["benchmarks"]
         for layout in args.layouts.split(","):
             folder = scratch / f"export-{layout.replace('dflash', 'flash')}"     # no "dflash" in the path
             rep = export_drafter(args.drafter, layout, folder)
-            theirs = run_worker(args.vllm_python, {**base, "draft": str(folder)}, scratch)
+            theirs = run_worker(args.vllm_python, {**base, "draft": str(folder)}, scratch, args.threads)
             rows = []
             for d in prompts:
                 t = theirs["benchmarks"][d]

@@ -61,7 +61,7 @@ def step_row(rec: StepOutcome, engine: Engine, concurrency: int) -> StepRow:
 
 def summary(rows: list[StepRow], table: CostTable | None, concurrency: int) -> dict:
     """The run by phase, and its steady steps without and with a drafter call (means per step;
-    ``table_ms``: the cost table's price of such a step)."""
+    ``table_seconds``: the cost table's price of such a step, where there is a table)."""
     out: dict = {"phases": {}, "steady": {}}
     for phase in ("steady", "prefill", "tail"):
         got = [r for r in rows if r.phase == phase]
