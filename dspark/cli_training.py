@@ -101,6 +101,9 @@ def add_parsers(sub, h) -> None:
     t.add_argument("--positions", type=h._positive_int, default=4_000_000,
                    help="with --corpus: supervised answer positions to draw (before the held-out split)")
     t.add_argument("--max-len", type=h._positive_int, default=512, help="with --corpus: tokens per sequence")
+    t.add_argument("--regimes", default=None, metavar="NAMES",
+                   help="with --corpus: train only on the target's answers sampled in these regimes (comma list "
+                        "of greedy, t1, deepspec; default: every one); the held-out rows keep them all")
     t.add_argument("--loss", default=None, choices=["tv", "kl", "kl+tv", "ce"],
                    help="tv: 0.1 CE + 0.9 TV (the paper's), kl: 0.1 CE + forward KL, kl+tv: both, ce: CE only "
                         "(default: tv; ce for dflash recipes without --corpus)")
@@ -287,6 +290,16 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def _regimes(text: str | None) -> set[str] | None:
+    from .training.regenerate import REGIMES
+    if text is None:
+        return None
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if not names or names - set(REGIMES):
+        raise UsageError(f"--regimes {text!r}: a comma list of {', '.join(REGIMES)}")
+    return names
+
+
 def cmd_train(args) -> int:
     from .drafters.config import DrafterConfig, pick_mask_token
     from .runtime.loading import cache_dir, target_from_args
@@ -304,7 +317,7 @@ def cmd_train(args) -> int:
         mix = corpus.parse_mix(args.mix)
         rows, held, report = corpus.build(target.tokenizer, mix, args.positions,
                                           regen_path=args.input or w / "regen" / "train.jsonl",
-                                          max_len=args.max_len, seed=args.seed,
+                                          max_len=args.max_len, seed=args.seed, regimes=_regimes(args.regimes),
                                           log=lambda m: print(m, file=sys.stderr))
         print(f"corpus: {json.dumps(report)}", file=sys.stderr)
         layers = default_layer_ids(tc.num_layers)

@@ -593,3 +593,25 @@ def test_the_targets_answers_give_their_full_share_of_held_out_rows(tmp_path):
     assert report["regen"]["heldout_rows"] == len(held) == min(24, len(owed)) >= 20
     assert {r.id for r in held} <= set(owed) and not {r.id for r in held} & {r.id for r in train}
     assert report["regen"]["positions"] >= 200 and len(train) < 20
+
+
+def test_training_on_one_regimes_answers_keeps_every_regime_held_out(tmp_path):
+    """`--regimes greedy`: only the greedy answers train; the held-out rows of both regimes stay
+    (scored apart, as regen-greedy and regen-t1), so runs that differ in the regime are measured
+    on the same rows."""
+    from dspark.training.corpus import build
+    path = tmp_path / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(4000):
+            f.write(json.dumps({"id": f"q{i}", "prompt": f"question {i}", "answer": f"answer {i}",
+                                "prompt_ids": [1, 2, 3], "answer_ids": list(range(5, 25)),
+                                "finish_reason": "stop", "regime": "greedy" if i % 2 else "t1"}) + "\n")
+    train, held, report = build(None, {"regen": 1.0}, 2000, regen_path=path, max_len=64, log=lambda m: None,
+                                regimes={"greedy"})
+    assert train and {r.regime for r in train} == {"greedy"} and {r.group for r in train} == {"regen-greedy"}
+    assert report["regen"]["positions"] >= 2000 and report["regen"]["skipped_regimes"]["t1"] > 0
+    groups = report["regen"]["heldout_groups"]
+    assert set(groups) == {"regen-greedy", "regen-t1"} and min(groups.values()) >= 15
+    assert sorted({r.group for r in held}) == ["regen-greedy", "regen-t1"]
+    everything, _, _ = build(None, {"regen": 1.0}, 2000, regen_path=path, max_len=64, log=lambda m: None)
+    assert {r.regime for r in everything} == {"greedy", "t1"}

@@ -264,7 +264,7 @@ class OnlineSource:
             else:
                 toks = list(r.ids)[:max_len]
                 mask = ([0] * r.start + [1] * (len(r.ids) - r.start))[:max_len]
-                written, src = r.target_written, r.source
+                written, src = r.target_written, r.group
             if sum(mask) >= 2:
                 self.items.append((toks, mask, written, src))
         self.feature_layers = self.layer_ids

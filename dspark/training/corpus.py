@@ -23,7 +23,7 @@ import random
 import re
 import sysconfig
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +40,17 @@ class Row:
     ids: tuple[int, ...]        # prompt tokens, then answer tokens
     start: int                  # first supervised position (the answer's first token)
     target_written: bool        # the answer was sampled from the target
+    regime: str = ""            # regen: the settings the answer was sampled at (greedy, t1, ...)
 
     @property
     def num_supervised(self) -> int:
         return len(self.ids) - self.start
+
+    @property
+    def group(self) -> str:
+        """What the held-out signal reports it under: the source, and for the target's answers
+        their regime, so that greedy and sampled answers are scored apart."""
+        return f"{self.source}-{self.regime}" if self.regime else self.source
 
 
 def is_heldout(row_id: str, fraction: float) -> bool:
@@ -150,7 +157,7 @@ def regen_rows(path, tokenizer, max_len: int, clean: Callable[[str], bool]) -> I
         p, a = sequence_tokens(r, tokenizer)
         ids = (p + a)[:max_len]
         if len(ids) - len(p) >= 8:
-            yield Row(f"regen-{r['id']}", "regen", tuple(ids), len(p), True)
+            yield Row(f"regen-{r['id']}", "regen", tuple(ids), len(p), True, r.get("regime") or "")
 
 
 # --------------------------------------------------------------------------- the mix
@@ -161,10 +168,14 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 def build(tokenizer, mix: dict[str, float], num_positions: int, *, regen_path=None, max_len: int = 512,
-          heldout: float = 0.02, heldout_rows: int = 24, seed: int = 0, log=print) -> tuple[list[Row], list[Row], dict]:
+          heldout: float = 0.02, heldout_rows: int = 24, seed: int = 0, regimes: Collection[str] | None = None,
+          log=print) -> tuple[list[Row], list[Row], dict]:
     """(train rows, held-out rows, report): each source's share of ``num_positions`` supervised
-    positions, drawn after its held-out rows (``heldout`` of its rows, at most ``heldout_rows``)
-    are set apart. A source with less text than its share gives what it has (reported)."""
+    positions, drawn after its held-out rows (``heldout`` of its rows, at most ``heldout_rows`` a
+    group: a source, or the target's answers of one regime) are set apart. A source with less text
+    than its share gives what it has (reported). ``regimes``: train only on the target's answers
+    sampled at these settings (the held-out rows keep every regime, so runs that differ in it
+    are scored on the same rows)."""
     total = sum(mix.values())
     clean = Decontaminator.for_benchmarks().clean
     train: list[Row] = []
@@ -184,22 +195,29 @@ def build(tokenizer, mix: dict[str, float], num_positions: int, *, regen_path=No
             it = text_rows(sharegpt_pairs(), "chat", tokenizer, 10**9, max_len, clean)
         else:
             it = text_rows(stdlib_chunks(), "code", tokenizer, 10**9, max_len, clean)
-        got = held_src = 0
+        got = 0
+        held_by: dict[str, int] = {}
+        skipped: dict[str, int] = {}
         mine: list[Row] = []
         for row in it:
             if is_heldout(row.id, heldout):
-                if held_src < heldout_rows:
+                if held_by.get(row.group, 0) < heldout_rows:
                     held.append(row)
-                    held_src += 1
+                    held_by[row.group] = held_by.get(row.group, 0) + 1
                 continue
             if got >= want:     # read on only for the held-out rows the source still owes
-                if held_src >= heldout_rows:
+                if held_by and min(held_by.values()) >= heldout_rows:
                     break
+                continue
+            if regimes is not None and row.source == "regen" and row.regime not in regimes:
+                skipped[row.regime or "unknown"] = skipped.get(row.regime or "unknown", 0) + 1
                 continue
             mine.append(row)
             got += row.num_supervised
         train.extend(mine)
-        report[src] = {"rows": len(mine), "positions": got, "wanted": want, "heldout_rows": held_src}
+        report[src] = {"rows": len(mine), "positions": got, "wanted": want, "heldout_rows": sum(held_by.values()),
+                       **({"heldout_groups": held_by} if len(held_by) > 1 else {}),
+                       **({"skipped_regimes": skipped} if skipped else {})}
         if got < want:
             log(f"corpus: {src} has {got} supervised positions of the {want} its share asks for")
     random.Random(seed).shuffle(train)
