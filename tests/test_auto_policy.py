@@ -301,7 +301,7 @@ def test_serving_policy_says_what_it_prices_with(tmp_path, monkeypatch, caplog):
     from dspark.scheduling.prefix import PrefixPolicy
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     target = SimpleNamespace(name="tiny", model=SimpleNamespace(device="cpu", dtype=torch.float32, layers=[]))
-    drafter = SimpleNamespace(name="ngram", block_size=BLOCK)
+    drafter = SimpleNamespace(name="ngram", block_size=BLOCK, call_block_size=BLOCK)
     with caplog.at_level(logging.INFO, logger="dspark"):
         policy, table = serving_policy(target, drafter, "auto", 8)
     assert isinstance(policy, AutoPolicy) and table is None and policy.name == "auto"
@@ -575,3 +575,24 @@ def test_a_plain_step_timed_in_a_slow_spell_is_timed_again_before_drafting_rests
     # drafting steps' own timings undo the price
     _, plans = run(plain_samples=1)
     assert all(map(any, plans[10:20]))
+
+
+def test_a_hybrid_drafters_call_is_timed_at_the_depth_its_trained_drafter_reaches(tmp_path):
+    """The n-gram + DSpark hybrid verifies lookup blocks of 10 but its DSpark call drafts at most
+    7: the call counts as timed at 7, so the measuring stops once it was timed (had it waited
+    for a call of 10, every process would measure every load again, and never stop)."""
+    from dspark.drafters.hybrid import HybridDrafter
+    from dspark.drafters.ngram import NgramDrafter
+
+    hybrid = HybridDrafter(NgramDrafter(), NgramDrafter(block_size=7))
+    assert hybrid.block_size == 10 and hybrid.call_block_size == 7
+    path = tmp_path / "c.json"
+    costs = LearnedCosts("k", hybrid.block_size, path, hybrid.call_block_size)
+    assert costs.missing(4) == 7                        # the measuring step asks for what the call can draft
+    for d in (0, 7):
+        for _ in range(2):
+            costs.observe(timed([d] * 4))
+    assert costs.missing(4) is None
+    costs.save()
+    assert LearnedCosts.load_or_new("k", 10, path, 7).missing(4) is None
+    assert LearnedCosts.load_or_new("k", 10, path).missing(4) == 10     # timed at another depth: relearned

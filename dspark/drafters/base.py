@@ -81,6 +81,12 @@ class Drafter:
     block_size = 0
     feature_layers: tuple[int, ...] = ()   # target layers a learned drafter conditions on
 
+    @property
+    def call_block_size(self) -> int:
+        """The most tokens one call of the drafter's model drafts (a hybrid's lookups may propose
+        longer blocks than its trained drafter ever drafts)."""
+        return self.block_size
+
     def prepare(self, max_requests: int, max_len: int) -> None:
         """Reserve room for ``max_requests`` concurrent requests of up to ``max_len`` tokens."""
 

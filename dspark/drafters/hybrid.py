@@ -34,6 +34,10 @@ class HybridDrafter(Drafter):
         self.feature_layers = model.feature_layers
         self.served = [0, 0]    # proposals made by (the lookup, the trained drafter)
 
+    @property
+    def call_block_size(self) -> int:
+        return self.model.call_block_size
+
     def prepare(self, max_requests: int, max_len: int) -> None:
         self.lookup.prepare(max_requests, max_len)
         self.model.prepare(max_requests, max_len)

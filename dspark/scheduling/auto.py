@@ -202,7 +202,7 @@ def learned_costs(target, drafter) -> LearnedCosts:
     """The step costs learned for this target, drafter, dtype, device, CPU and thread count (from
     the cache where an earlier run left them)."""
     key = f"{table_key_for(target, drafter)}|{machine_id()}"
-    return LearnedCosts.load_or_new(key, drafter.block_size, learned_path(key))
+    return LearnedCosts.load_or_new(key, drafter.block_size, learned_path(key), drafter.call_block_size)
 
 
 def serving_policy(name: str, target, drafter, max_requests: int) -> tuple[Policy, CostTable | None]:

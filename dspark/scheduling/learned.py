@@ -213,9 +213,13 @@ class CallCost:
 class LearnedCosts:
     """The three parts of a step's cost, learned from the steps observed (see the module doc)."""
 
-    def __init__(self, key: str, block: int, path: Path | None = None):
+    def __init__(self, key: str, block: int, path: Path | None = None, call_block: int | None = None):
+        """``block``: the longest block a step verifies; ``call_block``: the most the drafter's
+        call drafts (a hybrid's trained drafter drafts 7 where its lookups propose 10), the depth
+        its call is timed at (default ``block``)."""
         self.key = key
         self.block = block
+        self.call_block = call_block or block
         self.path = path
         self.forward = Curve()                  # seconds of the target's forward, by rows
         self.decode: dict[int, Curve] = {}      # requests bucket -> the same, decoding steps only,
@@ -246,7 +250,7 @@ class LearnedCosts:
         if calls and o.draft_seconds > 0:
             depth = round(sum(calls) / len(calls))
             self.draft.add(len(calls), depth, o.draft_seconds, o.draft_rows)
-            if depth == self.block:     # the numbers of requests the whole block was timed for
+            if depth == self.call_block:    # the numbers of requests the whole block was timed for
                 b = bucket(len(calls))
                 self.timed[b] = self.timed.get(b, 0) + 1
         self.observed += 1
@@ -262,7 +266,7 @@ class LearnedCosts:
         drafted, not the step's load, so a quarter of a load's requests drafting measures it)."""
         b = bucket(requests)
         if sum(n for k, n in self.timed.items() if abs(k - b) <= 8) < 2:
-            return self.block
+            return self.call_block
         return None
 
     def _decode_curve(self, requests: int) -> Curve | None:
@@ -320,7 +324,7 @@ class LearnedCosts:
 
     # ------------------------------------------------------------------ persistence
     def to_json(self) -> dict:
-        return {"key": self.key, "block": self.block, "forward": self.forward.to_json(),
+        return {"key": self.key, "block": self.block, "call_block": self.call_block, "forward": self.forward.to_json(),
                 "decode_verified": {str(b): c.to_json() for b, c in self.decode.items()},
                 "rest": self.rest.to_json(), "draft_calls": self.draft.to_json(),
                 "timed": {str(b): n for b, n in self.timed.items()}}
@@ -337,15 +341,16 @@ class LearnedCosts:
             log.warning("cannot save learned step costs to %s: %s", self.path, e)
 
     @classmethod
-    def load_or_new(cls, key: str, block: int, path: Path | None) -> LearnedCosts:
+    def load_or_new(cls, key: str, block: int, path: Path | None, call_block: int | None = None) -> LearnedCosts:
         """The costs learned by an earlier run under ``key``, or empty ones; a file that cannot be
         read (corrupted, or from another block size) is set aside and learning starts afresh."""
-        costs = cls(key, block, path)
+        costs = cls(key, block, path, call_block)
         if path is None or not path.is_file():
             return costs
         try:
             d = json.loads(path.read_text())
-            if d.get("key") != key or int(d.get("block", -1)) != block:
+            if d.get("key") != key or int(d.get("block", -1)) != block or \
+                    int(d.get("call_block", -1)) != costs.call_block:
                 raise ValueError("made for another drafter or block size")
             costs.forward = Curve.from_json(d["forward"])
             # "decode" (by rows) from before the curves were kept by verified tokens is relearned
@@ -356,7 +361,7 @@ class LearnedCosts:
             costs.timed = {int(k): int(v) for k, v in d["timed"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("ignoring learned step costs in %s (%s): learning them again", path, e)
-            return cls(key, block, path)
+            return cls(key, block, path, call_block)
         return costs
 
 
