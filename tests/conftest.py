@@ -1,7 +1,14 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+# step costs measured or learned by tests (and the servers and CLIs they start) stay out of the
+# user's cache: they were timed beside other tests and would misprice the user's own runs
+os.environ["DSPARK_PROFILES"] = tempfile.mkdtemp(prefix="dspark-profiles-")
 
 
 @pytest.fixture(scope="session")

@@ -51,8 +51,13 @@ def table_key_for(target, drafter) -> str:
 
 
 def table_path(key: str) -> Path:
+    """Where a key's measured table lives (and, beside it, the costs learned while serving):
+    ``$DSPARK_PROFILES`` if set, else the user cache's profiles/. Timings belong to the machine
+    that took them unshared: the test suite points this elsewhere, so that its steps, run beside
+    other tests, never price a user's server."""
     h = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "profiles" / f"{h}.json"
+    root = os.environ.get("DSPARK_PROFILES")
+    return (Path(root) if root else cache_dir() / "profiles") / f"{h}.json"
 
 
 def _segment(axis: list, x: float) -> tuple[int, int, float]:
