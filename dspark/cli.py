@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --compile: build the compiled graphs before answering (about 3 minutes on 2 cores) "
                          "instead of answering at once with the eager forwards, slower while they build; "
                          "/health says which ({\"compiled\": true} once they are in use)")
+    sv.add_argument("--step-log", default=None, metavar="FILE",
+                    help="append every engine step as a JSON line (time, requests, what each drafted, verified "
+                         "and accepted, prefill tokens, forward / drafter / policy seconds): what the policy "
+                         "decided under the load the server had")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_model_flags(sv, compile_default=True)
 
@@ -407,6 +411,12 @@ def cmd_serve(args) -> int:
     target = target_from_args(args)
     drafter = load_drafter(args.drafter, target, num_draft=args.num_draft)
     engine = serving_engine(target, drafter, args.policy, args.max_requests, args.max_len, args.prefix_caching)
+    if args.step_log:
+        from .evaluation.steps import log_steps
+        try:
+            log_steps(engine, args.step_log)
+        except OSError as e:
+            raise UsageError(f"--step-log {args.step_log}: {e.strerror or e}") from None
     if compile_graphs:
         from .compiling import GraphBuilder
         builder = GraphBuilder(target.model, drafter,

@@ -197,3 +197,29 @@ def test_padded_layout_gives_the_same_outputs():
         rows.append(sum(seen))
     assert outs[0] == outs[1]
     assert rows[1] > rows[0]
+
+
+def test_step_log_writes_every_step_as_a_json_line(tmp_path):
+    """`dspark serve --step-log FILE`: one JSON line per engine step, in order, with what it drafted,
+    verified and accepted and what it cost; nothing more once stopped."""
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.engine import Engine
+    from dspark.evaluation.steps import log_steps
+    from dspark.sampling import SamplingParams
+    from tests._tiny import tiny_target
+    engine = Engine(tiny_target(vocab=11), NgramDrafter(block_size=4), max_requests=4, max_len=64)
+    path = tmp_path / "steps.jsonl"
+    stop = log_steps(engine, path)
+    for i in range(3):
+        engine.add_request([1 + i, 2, 3, 1 + i, 2, 3], SamplingParams(temperature=0), 16)
+    engine.run()
+    stop()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["index"] for x in lines] == list(range(1, len(lines) + 1)) and len(lines) > 3
+    assert sum(x["prefill_tokens"] for x in lines) == 18
+    assert all(0 <= x["forward_seconds"] <= x["seconds"] and x["time"] > 0 for x in lines)
+    outs = [o for x in lines for o in x["requests"]]
+    assert sum(o["verified"] for o in outs) > 0 and all(o["accepted"] <= o["verified"] for o in outs)
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0), 4)
+    engine.run()
+    assert len(path.read_text().splitlines()) == len(lines)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..engine import Engine
@@ -57,6 +59,24 @@ def step_row(rec: StepOutcome, engine: Engine, concurrency: int) -> StepRow:
                    sum(1 for o in blocks if o.free), sum(o.verified for o in blocks),
                    sum(o.accepted for o in blocks), sum(o.accepted + 1 for o in rec.requests), rec.prefill_tokens,
                    sum(contexts) // max(1, len(contexts)))
+
+
+def log_steps(engine: Engine, path) -> Callable[[], None]:
+    """Append every step's record (``StepOutcome`` as JSON, with the wall-clock time it ended) to
+    ``path``, one line a step, for as long as the engine runs: `dspark serve --step-log` (what the
+    policy decided and what each step cost, under the load the server really had). Returns the
+    function that stops it."""
+    f = open(path, "a", buffering=1)
+
+    def write(rec: StepOutcome) -> None:
+        f.write(json.dumps({"time": round(time.time(), 4), **asdict(rec)}) + "\n")
+
+    remove = engine.add_step_listener(write)
+
+    def stop() -> None:
+        remove()
+        f.close()
+    return stop
 
 
 def summary(rows: list[StepRow], table: CostTable | None, concurrency: int) -> dict:
