@@ -6,6 +6,8 @@ requests, the first prompts of humaneval, gsm8k and mt-bench in turn, greedy). T
 in turn, the order reversed every other round, `--rounds` times; each cell is the median over
 rounds. Before its timed runs each server answers a few untimed requests (first-request costs:
 kernels for new shapes, the auto policy's one-time measurement, which is cached per machine).
+Our servers write every engine step to <compare>/serving-logs/<system>-round<N>.steps.jsonl
+(`dspark serve --step-log`).
 
 Systems (`--systems`, comma list):
   llama-bf16          llama-server on a BF16 GGUF of the weights we serve (llama.cpp's converter)
@@ -74,10 +76,15 @@ def bench(url: str, concurrency: str, num_prompts: int, max_new_tokens: int,
     return json.loads(proc.stdout.strip().splitlines()[-1])["results"]
 
 
-def run_system(system: str, args, compare_dir: Path, bin_dir: Path, log_dir: Path) -> tuple[str, list[dict]]:
+def run_system(system: str, args, compare_dir: Path, bin_dir: Path, log_dir: Path,
+               rnd: int = 0) -> tuple[str, list[dict]]:
     port = free_port()
     cmd = server_command(system, port, args.threads, compare_dir, bin_dir)
     log = log_dir / f"{system}.log"
+    if system.startswith("dspark"):     # every engine step, to read what the policy decided
+        steps = log_dir / f"{system}-round{rnd + 1}.steps.jsonl"
+        steps.unlink(missing_ok=True)
+        cmd += ["--step-log", str(steps)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if system == "vllm":        # its CPU workers bind to these cores; its KV cache in GiB
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="4")
@@ -119,7 +126,7 @@ def main(argv=None) -> int:
     commands: dict[str, str] = {}
     for rnd in range(args.rounds):
         for s in (systems if rnd % 2 == 0 else systems[::-1]):
-            commands[s], res = run_system(s, args, compare_dir, bin_dir, log_dir)
+            commands[s], res = run_system(s, args, compare_dir, bin_dir, log_dir, rnd)
             runs[s].append(res)
             print(f"round {rnd + 1} {s}: " + ", ".join(f"c={r['concurrency']} {r['total_tokens_per_second']:.1f} tok/s"
                                                        for r in res), file=sys.stderr)
