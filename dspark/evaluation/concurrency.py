@@ -185,10 +185,11 @@ def run_concurrency_bench(args) -> int:
     key = f"{table_key_for(target, drafter)}|{machine_id()}"
     # auto: --fresh-costs as on a machine that never ran this target and drafter (no profile table,
     # nothing learned before; what it learns stays in memory); auto-fresh always so, beside auto
-    fresh = LearnedCosts(key, block, call_block=drafter.call_block_size)
-    costs = {"auto": (fresh if args.fresh_costs else learned_costs(target, drafter))
+    def fresh() -> LearnedCosts:    # costs of its own, learned from nothing
+        return LearnedCosts(key, block, call_block=drafter.call_block_size)
+    costs = {"auto": (fresh() if args.fresh_costs else learned_costs(target, drafter))
              if "auto" in bases.values() else None,
-             "auto-fresh": fresh if "auto-fresh" in bases.values() else None}
+             "auto-fresh": fresh() if "auto-fresh" in bases.values() else None}
     learned = costs["auto"]
     prompts = _bench_prompts(target, args.datasets, args.num_prompts)
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
